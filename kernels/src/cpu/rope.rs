@@ -1,0 +1,137 @@
+//! Rotary position embedding.
+
+/// How rotated dimensions are paired within a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// i with i + rotated/2 (HF "rotate_half", GPT-NeoX).
+    Neox,
+    /// 2i with 2i + 1 (GPT-J, llama.cpp's default for llama GGUFs).
+    Interleaved,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeParams {
+    pub theta: f64,
+    pub style: RopeStyle,
+    /// Leading dimensions of each head that are rotated.
+    pub rotated_dims: usize,
+    /// Linear position scaling: angle = pos / factor * inv_freq (1.0 = none).
+    pub linear_factor: f64,
+}
+
+impl RopeParams {
+    /// Rotation angle of pair `i` at position `pos`, computed in f64.
+    pub fn angle(&self, pos: usize, i: usize) -> f64 {
+        let inv_freq = self
+            .theta
+            .powf(-((2 * i) as f64) / self.rotated_dims as f64);
+        pos as f64 / self.linear_factor * inv_freq
+    }
+}
+
+/// Rotate `x` (rows, n_heads, head_dim) in place; row r is at position `pos0 + r`.
+pub fn apply_rope(x: &mut [f32], n_heads: usize, head_dim: usize, pos0: usize, p: &RopeParams) {
+    assert!(
+        p.rotated_dims <= head_dim && p.rotated_dims % 2 == 0,
+        "rope: bad rotated_dims"
+    );
+    let row_len = n_heads * head_dim;
+    assert_eq!(
+        x.len() % row_len,
+        0,
+        "rope: x is not (rows, n_heads, head_dim)"
+    );
+    let half = p.rotated_dims / 2;
+    let mut cs = vec![(0f32, 0f32); half];
+    for (r, row) in x.chunks_exact_mut(row_len).enumerate() {
+        for (i, c) in cs.iter_mut().enumerate() {
+            let a = p.angle(pos0 + r, i);
+            *c = (a.cos() as f32, a.sin() as f32);
+        }
+        for head in row.chunks_exact_mut(head_dim) {
+            for (i, &(cos, sin)) in cs.iter().enumerate() {
+                let (a, b) = match p.style {
+                    RopeStyle::Neox => (i, i + half),
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * cos - x1 * sin;
+                head[b] = x1 * cos + x0 * sin;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(style: RopeStyle) -> RopeParams {
+        RopeParams {
+            theta: 10000.0,
+            style,
+            rotated_dims: 4,
+            linear_factor: 1.0,
+        }
+    }
+
+    #[test]
+    fn position_zero_is_identity_and_known_rotation() {
+        let mut x = vec![1.0, 2.0, 3.0, 4.0];
+        apply_rope(&mut x, 1, 4, 0, &params(RopeStyle::Neox));
+        assert_eq!(x, vec![1.0, 2.0, 3.0, 4.0]);
+        // Position 1, pair 0 (inv_freq 1): (x0, x2) = (1, 3) rotated by 1 rad.
+        let mut x = vec![1.0, 2.0, 3.0, 4.0];
+        apply_rope(&mut x, 1, 4, 1, &params(RopeStyle::Neox));
+        let (c, s) = (1f32.cos(), 1f32.sin());
+        assert!((x[0] - (c - 3.0 * s)).abs() < 1e-6 && (x[2] - (3.0 * c + s)).abs() < 1e-6);
+    }
+
+    /// Interleaved RoPE on a vector equals NEOX RoPE on the same vector with its
+    /// pairs de-interleaved: the identity capture relies on when it converts
+    /// llama GGUF weights (stored interleaved) to the HF layout.
+    #[test]
+    fn interleaved_equals_neox_after_permutation() {
+        let d = 8;
+        let p_i = RopeParams {
+            theta: 500.0,
+            style: RopeStyle::Interleaved,
+            rotated_dims: d,
+            linear_factor: 1.0,
+        };
+        let p_n = RopeParams {
+            style: RopeStyle::Neox,
+            ..p_i
+        };
+        let v: Vec<f32> = (0..2 * d).map(|i| (i as f32 * 0.37).sin()).collect(); // 2 heads
+        let deinterleave = |x: &[f32]| -> Vec<f32> {
+            let mut o = vec![0.0; x.len()];
+            for h in 0..2 {
+                for i in 0..d / 2 {
+                    o[h * d + i] = x[h * d + 2 * i];
+                    o[h * d + d / 2 + i] = x[h * d + 2 * i + 1];
+                }
+            }
+            o
+        };
+        let mut a = v.clone();
+        apply_rope(&mut a, 2, d, 7, &p_i);
+        let mut b = deinterleave(&v);
+        apply_rope(&mut b, 2, d, 7, &p_n);
+        assert_eq!(deinterleave(&a), b);
+    }
+
+    #[test]
+    fn partial_rotation_leaves_tail() {
+        let p = RopeParams {
+            theta: 10000.0,
+            style: RopeStyle::Neox,
+            rotated_dims: 2,
+            linear_factor: 1.0,
+        };
+        let mut x = vec![1.0, 0.0, 5.0, 6.0];
+        apply_rope(&mut x, 1, 4, 3, &p);
+        assert_eq!(&x[2..], &[5.0, 6.0]);
+        assert!((x[0] - 3f32.cos()).abs() < 1e-6 && (x[1] - 3f32.sin()).abs() < 1e-6);
+    }
+}

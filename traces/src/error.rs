@@ -1,0 +1,63 @@
+use std::path::PathBuf;
+
+/// Everything that can go wrong reading, writing or verifying a trace.
+/// Every variant names the file (and tensor) involved and says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: not a trace directory (no manifest.json); a trace is the folder written by `kvreplay capture`")]
+    NotATrace { path: PathBuf },
+    #[error("{path}: invalid manifest: {msg}")]
+    Manifest { path: PathBuf, msg: String },
+    #[error("{path}: format version {found} was written by a newer kvreplay (this build reads up to version {supported}); upgrade kvreplay to read it")]
+    NewerVersion {
+        path: PathBuf,
+        found: u32,
+        supported: u32,
+    },
+    #[error("{path}: missing layer file for layer {layer}; the trace is incomplete: recapture it with `kvreplay capture`")]
+    MissingLayer { path: PathBuf, layer: usize },
+    #[error("{path}: file is {actual} bytes, the manifest says {expected}; the file was truncated or replaced: recapture the trace")]
+    Size {
+        path: PathBuf,
+        expected: u64,
+        actual: u64,
+    },
+    #[error("{path}: sha256 is {actual}, the manifest says {expected}; the file is corrupt (a changed byte): recapture the trace")]
+    Checksum {
+        path: PathBuf,
+        expected: String,
+        actual: String,
+    },
+    #[error("{path}: tensor `{tensor}`: {msg}")]
+    Tensor {
+        path: PathBuf,
+        tensor: String,
+        msg: String,
+    },
+    #[error("{path}: layer {layer}, head {head}, position {position}: stored `o` differs from attention recomputed from q/k/v (relative L2 error {rel_err:.3e} > {tol:.1e}); the trace is inconsistent: recapture it")]
+    Recompute {
+        path: PathBuf,
+        layer: usize,
+        head: usize,
+        position: usize,
+        rel_err: f64,
+        tol: f64,
+    },
+    #[error("{path}: {msg}")]
+    Output { path: PathBuf, msg: String },
+}
+
+impl TraceError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        TraceError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

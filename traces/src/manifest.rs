@@ -1,0 +1,320 @@
+//! `manifest.json`: everything about a trace except the tensors themselves.
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+use crate::TraceError;
+
+/// Value of the manifest's `format` field.
+pub const FORMAT_NAME: &str = "kvreplay-trace";
+/// The newest format version this build reads and the one it writes.
+pub const FORMAT_VERSION: u32 = 1;
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Manifest {
+    pub format: String,
+    pub format_version: u32,
+    pub model: ModelInfo,
+    pub tokens: Tokens,
+    pub generation: Generation,
+    /// Named token ranges of the prompt (e.g. a needle or a question), `[start, end)`.
+    #[serde(default)]
+    pub spans: Vec<Span>,
+    pub capture: CaptureInfo,
+    /// One entry per layer, in layer order.
+    pub files: Vec<FileEntry>,
+}
+
+/// The model the trace was captured from, with every parameter needed to
+/// undo or redo its rotary embedding exactly.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct ModelInfo {
+    pub architecture: String,
+    pub name: Option<String>,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub d_model: usize,
+    pub ffn_dim: usize,
+    pub vocab_size: usize,
+    pub context_length: usize,
+    pub norm_eps: f64,
+    /// Softmax scale applied to q·k (1/sqrt(head_dim) for llama).
+    pub attn_scale: f64,
+    pub rope: Rope,
+    pub source: SourceFile,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Rope {
+    /// Base of the inverse frequencies: inv_freq[i] = theta^(-2i / rotated_dims).
+    pub theta: f64,
+    /// How dimensions are paired in the stored q and k.
+    pub style: RopeStyle,
+    /// Leading dimensions of each head that are rotated (the rest pass through).
+    pub rotated_dims: usize,
+    pub scaling: RopeScaling,
+}
+
+/// Pairing of rotated dimensions.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeStyle {
+    /// Dimension i pairs with i + rotated_dims/2 ("rotate_half", HF transformers layout).
+    Neox,
+    /// Dimension 2i pairs with 2i + 1 (GPT-J / llama.cpp "normal" layout).
+    Interleaved,
+}
+
+/// Position scaling applied before the rotation: angle = (pos / factor) * inv_freq.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum RopeScaling {
+    None,
+    Linear { factor: f64 },
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct SourceFile {
+    pub file_name: String,
+    pub sha256: String,
+    pub size: u64,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Tokens {
+    /// All T token ids: the prompt, then the generated continuation.
+    pub ids: Vec<u32>,
+    pub prompt_len: usize,
+    /// The decoded text of each token (same length as `ids`).
+    pub text: Vec<String>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Generation {
+    /// Always "greedy" in format version 1.
+    pub method: String,
+    /// Number of generated tokens in the trace (T - prompt_len); every one
+    /// of them was fed back through the model, so its q/k/v/o exist.
+    pub n_decode: usize,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Span {
+    pub name: String,
+    pub start: usize,
+    pub end: usize,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct CaptureInfo {
+    pub device: String,
+    /// Storage dtype of q, k, v and o.
+    pub dtype: Dtype,
+    /// Dtype the model was computed in.
+    pub compute_dtype: String,
+    pub prefill_chunk: usize,
+    pub threads: usize,
+    /// Whether `attn_probs` (n_heads, T, T) is stored.
+    pub attn_probs: bool,
+    pub chat_template: bool,
+    /// Where the prompt came from (`text`, `file:NAME`, a task name, ...).
+    pub prompt_source: String,
+    pub kvreplay_version: String,
+    /// RFC 3339, UTC.
+    pub created: String,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct FileEntry {
+    pub layer: usize,
+    pub file: String,
+    pub size: u64,
+    pub sha256: String,
+}
+
+/// Storage dtype of the q/k/v/o tensors.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    F16,
+    Bf16,
+    F32,
+}
+
+impl Dtype {
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::F16 | Dtype::Bf16 => 2,
+            Dtype::F32 => 4,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+            Dtype::F32 => "f32",
+        }
+    }
+    pub(crate) fn safetensors(self) -> safetensors::Dtype {
+        match self {
+            Dtype::F16 => safetensors::Dtype::F16,
+            Dtype::Bf16 => safetensors::Dtype::BF16,
+            Dtype::F32 => safetensors::Dtype::F32,
+        }
+    }
+    pub(crate) fn from_safetensors(d: safetensors::Dtype) -> Option<Self> {
+        match d {
+            safetensors::Dtype::F16 => Some(Dtype::F16),
+            safetensors::Dtype::BF16 => Some(Dtype::Bf16),
+            safetensors::Dtype::F32 => Some(Dtype::F32),
+            _ => None,
+        }
+    }
+}
+
+impl std::str::FromStr for Dtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f16" => Ok(Dtype::F16),
+            "bf16" => Ok(Dtype::Bf16),
+            "f32" => Ok(Dtype::F32),
+            _ => Err(format!("unknown dtype `{s}` (expected f16, bf16 or f32)")),
+        }
+    }
+}
+
+impl Manifest {
+    /// Total positions T.
+    pub fn total_len(&self) -> usize {
+        self.tokens.ids.len()
+    }
+    pub fn prompt_len(&self) -> usize {
+        self.tokens.prompt_len
+    }
+
+    /// Read and check `dir/manifest.json`: format name and version first (so
+    /// a newer trace gets the "upgrade" message, not a parse error), then the
+    /// full structure and its internal consistency.
+    pub fn read(dir: &Path) -> Result<Manifest, TraceError> {
+        let path = dir.join("manifest.json");
+        if !dir.is_dir() {
+            return Err(TraceError::Io {
+                path: dir.to_path_buf(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "trace directory not found",
+                ),
+            });
+        }
+        if !path.exists() {
+            return Err(TraceError::NotATrace {
+                path: dir.to_path_buf(),
+            });
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| TraceError::io(&path, e))?;
+        let bad = |msg: String| TraceError::Manifest {
+            path: path.clone(),
+            msg,
+        };
+        let value: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+        match value.get("format").and_then(|f| f.as_str()) {
+            Some(FORMAT_NAME) => {}
+            other => {
+                return Err(bad(format!(
+                    "field `format` is {other:?}, expected \"{FORMAT_NAME}\""
+                )))
+            }
+        }
+        let version = value
+            .get("format_version")
+            .and_then(|v| v.as_u64())
+            .ok_or_else(|| bad("field `format_version` is missing or not an integer".into()))?;
+        if version > FORMAT_VERSION as u64 {
+            return Err(TraceError::NewerVersion {
+                path,
+                found: version as u32,
+                supported: FORMAT_VERSION,
+            });
+        }
+        let m: Manifest = serde_json::from_value(value).map_err(|e| bad(e.to_string()))?;
+        m.check().map_err(bad)?;
+        Ok(m)
+    }
+
+    /// Internal consistency of the fields.
+    pub fn check(&self) -> Result<(), String> {
+        let m = &self.model;
+        if m.n_layers == 0 || m.n_heads == 0 || m.n_kv_heads == 0 || m.head_dim == 0 {
+            return Err(
+                "model: n_layers, n_heads, n_kv_heads and head_dim must be positive".into(),
+            );
+        }
+        if m.n_heads % m.n_kv_heads != 0 {
+            return Err(format!(
+                "model: n_heads ({}) is not a multiple of n_kv_heads ({})",
+                m.n_heads, m.n_kv_heads
+            ));
+        }
+        let t = &self.tokens;
+        if t.text.len() != t.ids.len() {
+            return Err(format!(
+                "tokens: {} ids but {} decoded texts",
+                t.ids.len(),
+                t.text.len()
+            ));
+        }
+        if t.prompt_len == 0 || t.prompt_len > t.ids.len() {
+            return Err(format!(
+                "tokens: prompt_len {} is outside 1..={}",
+                t.prompt_len,
+                t.ids.len()
+            ));
+        }
+        if t.prompt_len + self.generation.n_decode != t.ids.len() {
+            return Err(format!(
+                "tokens: prompt_len {} + generation.n_decode {} != {} ids",
+                t.prompt_len,
+                self.generation.n_decode,
+                t.ids.len()
+            ));
+        }
+        for s in &self.spans {
+            if s.start > s.end || s.end > t.ids.len() {
+                return Err(format!(
+                    "spans: `{}` [{}, {}) is outside the {} tokens",
+                    s.name,
+                    s.start,
+                    s.end,
+                    t.ids.len()
+                ));
+            }
+        }
+        if self.files.len() != m.n_layers {
+            return Err(format!(
+                "files: {} entries for {} layers",
+                self.files.len(),
+                m.n_layers
+            ));
+        }
+        for (l, f) in self.files.iter().enumerate() {
+            if f.layer != l || f.file != crate::layer_file_name(l) {
+                return Err(format!(
+                    "files[{l}]: expected layer {l} in `{}`, found layer {} in `{}`",
+                    crate::layer_file_name(l),
+                    f.layer,
+                    f.file
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Position of the query heads' shared key/value head.
+    pub fn kv_head_of(&self, head: usize) -> usize {
+        head / (self.model.n_heads / self.model.n_kv_heads)
+    }
+}

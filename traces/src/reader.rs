@@ -1,0 +1,279 @@
+//! Zero-copy reading of a trace through memory maps.
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::writer::layer_tensors;
+use crate::{Dtype, Manifest, TraceError, TraceLayout};
+
+/// An open trace: the manifest plus one memory map per layer file.
+pub struct Trace {
+    dir: PathBuf,
+    pub manifest: Manifest,
+    layers: Vec<LayerFile>,
+}
+
+struct LayerFile {
+    path: PathBuf,
+    mmap: Mmap,
+    /// name -> (dtype, shape, absolute byte range in the file)
+    tensors: BTreeMap<String, (Dtype, Vec<usize>, std::ops::Range<usize>)>,
+}
+
+impl Trace {
+    /// Open a trace: parse the manifest, map every layer file and check that
+    /// sizes, headers and shapes agree with it. Checksums are left to `verify`.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Trace, TraceError> {
+        let dir = dir.as_ref().to_path_buf();
+        let manifest = Manifest::read(&dir)?;
+        let layout = manifest.layout();
+        let mut layers = Vec::with_capacity(manifest.files.len());
+        for entry in &manifest.files {
+            let path = dir.join(&entry.file);
+            if !path.exists() {
+                return Err(TraceError::MissingLayer {
+                    path,
+                    layer: entry.layer,
+                });
+            }
+            let file = std::fs::File::open(&path).map_err(|e| TraceError::io(&path, e))?;
+            let actual = file.metadata().map_err(|e| TraceError::io(&path, e))?.len();
+            if actual != entry.size {
+                return Err(TraceError::Size {
+                    path,
+                    expected: entry.size,
+                    actual,
+                });
+            }
+            // SAFETY: trace files are written once and never modified in place;
+            // a concurrent rewrite replaces the directory by rename.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|e| TraceError::io(&path, e))?;
+            let tensors = parse_layer(&path, &mmap, &layout)?;
+            layers.push(LayerFile {
+                path,
+                mmap,
+                tensors,
+            });
+        }
+        Ok(Trace {
+            dir,
+            manifest,
+            layers,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn layer(&self, l: usize) -> LayerView<'_> {
+        LayerView {
+            file: &self.layers[l],
+            layout: self.manifest.layout(),
+        }
+    }
+}
+
+impl Manifest {
+    /// The tensor shapes this manifest implies.
+    pub fn layout(&self) -> TraceLayout {
+        TraceLayout {
+            n_layers: self.model.n_layers,
+            n_heads: self.model.n_heads,
+            n_kv_heads: self.model.n_kv_heads,
+            head_dim: self.model.head_dim,
+            total_len: self.total_len(),
+            prompt_len: self.prompt_len(),
+            dtype: self.capture.dtype,
+            attn_probs: self.capture.attn_probs,
+        }
+    }
+}
+
+fn parse_layer(
+    path: &Path,
+    bytes: &[u8],
+    layout: &TraceLayout,
+) -> Result<BTreeMap<String, (Dtype, Vec<usize>, std::ops::Range<usize>)>, TraceError> {
+    let bad = |tensor: &str, msg: String| TraceError::Tensor {
+        path: path.to_path_buf(),
+        tensor: tensor.to_string(),
+        msg,
+    };
+    let (header_len, _) = safetensors::SafeTensors::read_metadata(bytes)
+        .map_err(|e| bad("(header)", format!("not a valid safetensors file: {e}")))?;
+    let st = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| bad("(header)", format!("not a valid safetensors file: {e}")))?;
+    let data_start = 8 + header_len;
+    let base = bytes.as_ptr() as usize;
+    let mut out = BTreeMap::new();
+    for (name, dtype, shape) in layer_tensors(layout) {
+        let tv = st.tensor(name).map_err(|_| {
+            bad(
+                name,
+                "missing from the layer file; the trace is incomplete: recapture it".into(),
+            )
+        })?;
+        let found = Dtype::from_safetensors(tv.dtype());
+        if found != Some(dtype) || tv.shape() != shape.as_slice() {
+            return Err(bad(
+                name,
+                format!(
+                    "is {:?} {:?}, the manifest implies {} {:?}",
+                    tv.dtype(),
+                    tv.shape(),
+                    dtype.name(),
+                    shape
+                ),
+            ));
+        }
+        let start = tv.data().as_ptr() as usize - base;
+        debug_assert!(start >= data_start);
+        if start % dtype.size() != 0 {
+            return Err(bad(name, "data is not aligned to its dtype".into()));
+        }
+        out.insert(
+            name.to_string(),
+            (dtype, shape, start..start + tv.data().len()),
+        );
+    }
+    Ok(out)
+}
+
+/// One layer of a trace.
+#[derive(Clone, Copy)]
+pub struct LayerView<'a> {
+    file: &'a LayerFile,
+    layout: TraceLayout,
+}
+
+impl<'a> LayerView<'a> {
+    pub fn path(&self) -> &'a Path {
+        &self.file.path
+    }
+
+    fn tensor(&self, name: &str) -> (Dtype, &'a [usize], &'a [u8]) {
+        let (dtype, shape, range) = &self.file.tensors[name];
+        (*dtype, shape, &self.file.mmap[range.clone()])
+    }
+
+    fn head_of(&self, name: &str, head: usize) -> HeadView<'a> {
+        let (dtype, shape, bytes) = self.tensor(name);
+        let (rows, cols) = (shape[1], shape[2]);
+        assert!(head < shape[0], "{name}: head {head} >= {}", shape[0]);
+        let n = rows * cols * dtype.size();
+        HeadView {
+            dtype,
+            rows,
+            cols,
+            bytes: &bytes[head * n..(head + 1) * n],
+        }
+    }
+
+    /// Query head `head`: (T, head_dim).
+    pub fn q(&self, head: usize) -> HeadView<'a> {
+        self.head_of("q", head)
+    }
+    /// Key head `kv_head`: (T, head_dim).
+    pub fn k(&self, kv_head: usize) -> HeadView<'a> {
+        self.head_of("k", kv_head)
+    }
+    /// Value head `kv_head`: (T, head_dim).
+    pub fn v(&self, kv_head: usize) -> HeadView<'a> {
+        self.head_of("v", kv_head)
+    }
+    /// Attention output of query head `head`: (T, head_dim).
+    pub fn o(&self, head: usize) -> HeadView<'a> {
+        self.head_of("o", head)
+    }
+
+    /// `attn_colsum[head, :]`: (prompt_len,), the attention each prompt key
+    /// received, summed over all prompt queries.
+    pub fn attn_colsum(&self, head: usize) -> &'a [f32] {
+        let (_, shape, bytes) = self.tensor("attn_colsum");
+        let all: &[f32] = bytemuck::cast_slice(bytes);
+        &all[head * shape[1]..(head + 1) * shape[1]]
+    }
+
+    /// `attn_probs[head]`: (T, T) row-major, when captured with `--attn-probs`.
+    pub fn attn_probs(&self, head: usize) -> Option<HeadView<'a>> {
+        self.layout
+            .attn_probs
+            .then(|| self.head_of("attn_probs", head))
+    }
+}
+
+/// A (rows, cols) matrix of one head, in the trace's storage dtype.
+#[derive(Clone, Copy)]
+pub struct HeadView<'a> {
+    pub dtype: Dtype,
+    pub rows: usize,
+    pub cols: usize,
+    bytes: &'a [u8],
+}
+
+impl<'a> HeadView<'a> {
+    /// Raw storage bytes (rows * cols * dtype size).
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// Row `r` converted to f32 into `out` (cols).
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        self.rows_into(r, r + 1, out)
+    }
+
+    /// Rows `a..b` converted to f32 into `out` ((b - a) * cols).
+    pub fn rows_into(&self, a: usize, b: usize, out: &mut [f32]) {
+        assert!(a <= b && b <= self.rows);
+        let (s, e) = (a * self.cols, b * self.cols);
+        assert_eq!(out.len(), e - s);
+        let sz = self.dtype.size();
+        let raw = &self.bytes[s * sz..e * sz];
+        convert_to_f32(self.dtype, raw, out);
+    }
+
+    /// All rows as f32: (rows * cols).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.rows * self.cols];
+        self.rows_into(0, self.rows, &mut out);
+        out
+    }
+}
+
+/// Convert raw little-endian storage to f32. Uses `from_le_bytes` per element
+/// so it works whatever the alignment of `raw`.
+fn convert_to_f32(dtype: Dtype, raw: &[u8], out: &mut [f32]) {
+    match dtype {
+        Dtype::F32 => match bytemuck::try_cast_slice::<u8, f32>(raw) {
+            Ok(s) => out.copy_from_slice(s),
+            Err(_) => {
+                for (o, c) in out.iter_mut().zip(raw.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+        },
+        Dtype::F16 => match bytemuck::try_cast_slice::<u8, f16>(raw) {
+            Ok(s) => {
+                use half::slice::HalfFloatSliceExt;
+                s.convert_to_f32_slice(out)
+            }
+            Err(_) => {
+                for (o, c) in out.iter_mut().zip(raw.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+        },
+        Dtype::Bf16 => {
+            for (o, c) in out.iter_mut().zip(raw.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+    }
+}
