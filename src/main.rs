@@ -1,1 +1,30 @@
-fn main() {}
+//! `kvreplay`: the command-line front end. Libraries return typed errors;
+//! this binary adds context and prints them.
+
+mod cli;
+
+fn main() {
+    restore_sigpipe();
+    if let Err(e) = cli::run() {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// Die quietly on a closed pipe (`kvreplay inspect T | head`) like other Unix
+/// tools, instead of panicking in `println!`.
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    {
+        extern "C" {
+            fn signal(signum: i32, handler: usize) -> usize;
+        }
+        const SIGPIPE: i32 = 13;
+        const SIG_DFL: usize = 0;
+        // SAFETY: resetting a signal disposition to its default at start-up,
+        // before any other thread exists.
+        unsafe {
+            signal(SIGPIPE, SIG_DFL);
+        }
+    }
+}

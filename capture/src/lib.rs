@@ -1,1 +1,69 @@
+//! Capture: run a GGUF llama-family model once and write a kvreplay trace.
+//!
+//! `Model::load` reads a GGUF file (metadata, tokenizer, dequantised f32
+//! weights); `capture` tokenizes a prompt, prefills in chunks, decodes
+//! greedily, and streams every layer's post-RoPE q/k/v and per-head attention
+//! output into a trace (see the `kvreplay-traces` crate). Compute goes
+//! through the `kvreplay-kernels` crate.
 
+mod capture;
+mod error;
+pub mod gguf;
+pub mod llama;
+pub mod tokenizer;
+
+pub use capture::{capture, CaptureOptions, CaptureSummary, Phase, Progress, MAX_ATTN_PROBS_LEN};
+pub use error::CaptureError;
+
+use std::path::Path;
+
+/// A loaded model: weights, tokenizer and where it came from.
+pub struct Model {
+    pub llama: llama::Llama,
+    pub tokenizer: tokenizer::Tokenizer,
+    pub architecture: String,
+    pub name: Option<String>,
+    pub source: kvreplay_traces::SourceFile,
+}
+
+impl Model {
+    pub fn load(path: &Path) -> Result<Model, CaptureError> {
+        let g = gguf::GgufFile::open(path)?;
+        let llama = llama::Llama::from_gguf(&g)?;
+        let tokenizer = tokenizer::Tokenizer::from_gguf(&g)?;
+        if tokenizer.vocab_size() != llama.cfg.vocab_size {
+            return Err(CaptureError::Metadata {
+                path: path.into(),
+                key: "tokenizer.ggml.tokens".into(),
+                problem: format!(
+                    "{} tokens long, but the model's vocabulary is {}",
+                    tokenizer.vocab_size(),
+                    llama.cfg.vocab_size
+                ),
+            });
+        }
+        let sha256 = {
+            use sha2::{Digest, Sha256};
+            let mut h = Sha256::new();
+            h.update(g.bytes());
+            h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+        };
+        Ok(Model {
+            architecture: g.get_str("general.architecture")?.to_string(),
+            name: g
+                .get("general.name")
+                .and_then(|v| v.as_str())
+                .map(String::from),
+            source: kvreplay_traces::SourceFile {
+                file_name: path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                sha256,
+                size: g.bytes().len() as u64,
+            },
+            llama,
+            tokenizer,
+        })
+    }
+}

@@ -1,0 +1,285 @@
+//! The capture loop: tokenize, chunked prefill, greedy decode, stream to a trace.
+
+use std::path::PathBuf;
+
+use kvreplay_traces::{
+    CaptureInfo, Dtype, Generation, Manifest, ModelInfo, Rope, RopeScaling, RopeStyle, Span,
+    TensorKind, Tokens, TraceLayout, TraceWriter,
+};
+
+use crate::llama::{ForwardOptions, KvCache, LayerTaps, Llama};
+use crate::{CaptureError, Model};
+
+/// Longest trace (T) for which `--attn-probs` is allowed: the tensor is
+/// (n_heads, T, T) f32 per layer (SmolLM2 at T = 1024: 37.7 MB per layer).
+pub const MAX_ATTN_PROBS_LEN: usize = 1024;
+
+#[derive(Clone, Debug)]
+pub struct CaptureOptions {
+    /// The prompt text (before the chat template, if any).
+    pub prompt: String,
+    /// Where the prompt came from, recorded in the manifest (`text`, `file:NAME`, ...).
+    pub prompt_source: String,
+    /// Wrap the prompt in the model's chat template as one user message.
+    pub chat: bool,
+    /// Greedy tokens to generate (each fed back through the model).
+    pub n_decode: usize,
+    pub dtype: Dtype,
+    /// Prompt positions per prefill step (bounds memory for long prompts).
+    pub prefill_chunk: usize,
+    pub attn_probs: bool,
+    pub out: PathBuf,
+    pub force: bool,
+    /// Named token spans of the prompt, recorded in the manifest.
+    pub spans: Vec<Span>,
+}
+
+impl CaptureOptions {
+    pub fn new(prompt: impl Into<String>, out: impl Into<PathBuf>) -> Self {
+        CaptureOptions {
+            prompt: prompt.into(),
+            prompt_source: "text".into(),
+            chat: false,
+            n_decode: 16,
+            dtype: Dtype::F16,
+            prefill_chunk: 256,
+            attn_probs: false,
+            out: out.into(),
+            force: false,
+            spans: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Prefill,
+    Decode,
+    Finish,
+}
+
+/// Progress report: `done` of `total` positions in `phase`.
+#[derive(Clone, Copy, Debug)]
+pub struct Progress {
+    pub phase: Phase,
+    pub done: usize,
+    pub total: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct CaptureSummary {
+    pub out: PathBuf,
+    pub prompt_len: usize,
+    pub n_decode: usize,
+    /// Wall time of the prefill and of the decode loop (model compute and trace writes).
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+    /// The generated continuation as text.
+    pub continuation: String,
+}
+
+/// Capture a trace of `model` on `opts.prompt`. Nothing is left at `opts.out`
+/// unless the capture completes.
+pub fn capture(
+    model: &Model,
+    opts: &CaptureOptions,
+    progress: &mut dyn FnMut(Progress),
+) -> Result<CaptureSummary, CaptureError> {
+    let cfg = &model.llama.cfg;
+    if opts.prompt.is_empty() {
+        return Err(CaptureError::EmptyPrompt);
+    }
+    if opts.prefill_chunk == 0 {
+        return Err(CaptureError::InvalidOption(
+            "prefill chunk must be at least 1".into(),
+        ));
+    }
+    let text = if opts.chat {
+        model.tokenizer.apply_chat_template(&opts.prompt)?
+    } else {
+        opts.prompt.clone()
+    };
+    let mut ids = model.tokenizer.encode(&text)?;
+    let p = ids.len();
+    if p == 0 {
+        return Err(CaptureError::EmptyPrompt);
+    }
+    let t = p + opts.n_decode;
+    if t > cfg.context_length {
+        return Err(CaptureError::PromptTooLong {
+            prompt: p,
+            decode: opts.n_decode,
+            context: cfg.context_length,
+        });
+    }
+    if opts.attn_probs && t > MAX_ATTN_PROBS_LEN {
+        return Err(CaptureError::InvalidOption(format!(
+            "--attn-probs stores (n_heads, T, T) per layer and is limited to T <= {MAX_ATTN_PROBS_LEN}; this trace has T = {t}"
+        )));
+    }
+    for s in &opts.spans {
+        if s.start > s.end || s.end > p {
+            return Err(CaptureError::InvalidOption(format!(
+                "span `{}` [{}, {}) lies outside the {p}-token prompt",
+                s.name, s.start, s.end
+            )));
+        }
+    }
+    let layout = TraceLayout {
+        n_layers: cfg.n_layers,
+        n_heads: cfg.n_heads,
+        n_kv_heads: cfg.n_kv_heads,
+        head_dim: cfg.head_dim,
+        total_len: t,
+        prompt_len: p,
+        dtype: opts.dtype,
+        attn_probs: opts.attn_probs,
+    };
+    let mut writer = TraceWriter::create(&opts.out, layout, opts.force)?;
+    let mut cache = KvCache::new(cfg, t);
+    let (nh, hd) = (cfg.n_heads, cfg.head_dim);
+    let mut sink = |taps: LayerTaps<'_>| {
+        let lw = writer.layer(taps.layer);
+        let c = taps.q.len() / (nh * hd);
+        for (kind, data) in [
+            (TensorKind::Q, taps.q),
+            (TensorKind::K, taps.k),
+            (TensorKind::V, taps.v),
+            (TensorKind::O, taps.o),
+        ] {
+            for (head, rows) in data.chunks_exact(c * hd).enumerate() {
+                lw.write_rows(kind, head, taps.pos0, rows);
+            }
+        }
+        if let Some(probs) = taps.probs {
+            let n = taps.pos0 + c;
+            for (i, row) in probs.chunks_exact(n).enumerate() {
+                lw.write_probs_row(i / c, taps.pos0 + i % c, row);
+            }
+        }
+    };
+
+    // Prefill, `prefill_chunk` positions at a time; every query is a prompt query,
+    // so the column sums accumulate here only.
+    let start = std::time::Instant::now();
+    let mut colsum: Vec<Vec<f32>> = vec![vec![0f32; nh * p]; cfg.n_layers];
+    let mut logits = Vec::new();
+    let mut pos = 0;
+    while pos < p {
+        let end = (pos + opts.prefill_chunk).min(p);
+        let fo = ForwardOptions {
+            colsum: Some(&mut colsum),
+            probs: opts.attn_probs,
+        };
+        logits = model
+            .llama
+            .forward(&ids[pos..end], pos, &mut cache, fo, &mut sink);
+        pos = end;
+        progress(Progress {
+            phase: Phase::Prefill,
+            done: pos,
+            total: p,
+        });
+    }
+    let prefill_secs = start.elapsed().as_secs_f64();
+
+    // Greedy decode: each generated token is fed back so its q/k/v/o exist.
+    let start = std::time::Instant::now();
+    for i in 0..opts.n_decode {
+        let next = Llama::greedy(&logits);
+        ids.push(next);
+        let fo = ForwardOptions {
+            colsum: None,
+            probs: opts.attn_probs,
+        };
+        logits = model
+            .llama
+            .forward(&[next], p + i, &mut cache, fo, &mut sink);
+        progress(Progress {
+            phase: Phase::Decode,
+            done: i + 1,
+            total: opts.n_decode,
+        });
+    }
+    let decode_secs = start.elapsed().as_secs_f64();
+
+    for (l, cs) in colsum.iter().enumerate() {
+        for (head, row) in cs.chunks_exact(p).enumerate() {
+            writer.layer(l).write_colsum(head, row);
+        }
+    }
+    progress(Progress {
+        phase: Phase::Finish,
+        done: 0,
+        total: 1,
+    });
+    let manifest = Manifest {
+        format: kvreplay_traces::FORMAT_NAME.into(),
+        format_version: kvreplay_traces::FORMAT_VERSION,
+        model: ModelInfo {
+            architecture: model.architecture.clone(),
+            name: model.name.clone(),
+            n_layers: cfg.n_layers,
+            n_heads: cfg.n_heads,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            d_model: cfg.d_model,
+            ffn_dim: cfg.ffn_dim,
+            vocab_size: cfg.vocab_size,
+            context_length: cfg.context_length,
+            norm_eps: cfg.norm_eps as f64,
+            attn_scale: cfg.attn_scale as f64,
+            rope: Rope {
+                theta: cfg.rope.theta,
+                style: match cfg.rope.style {
+                    kvreplay_kernels::cpu::RopeStyle::Neox => RopeStyle::Neox,
+                    kvreplay_kernels::cpu::RopeStyle::Interleaved => RopeStyle::Interleaved,
+                },
+                rotated_dims: cfg.rope.rotated_dims,
+                scaling: if cfg.rope.linear_factor == 1.0 {
+                    RopeScaling::None
+                } else {
+                    RopeScaling::Linear {
+                        factor: cfg.rope.linear_factor,
+                    }
+                },
+            },
+            source: model.source.clone(),
+        },
+        tokens: Tokens {
+            text: ids
+                .iter()
+                .map(|&id| model.tokenizer.decode_token(id))
+                .collect(),
+            ids: ids.clone(),
+            prompt_len: p,
+        },
+        generation: Generation {
+            method: "greedy".into(),
+            n_decode: opts.n_decode,
+        },
+        spans: opts.spans.clone(),
+        capture: CaptureInfo {
+            device: kvreplay_kernels::Device::Cpu.name().into(),
+            dtype: opts.dtype,
+            compute_dtype: "f32".into(),
+            prefill_chunk: opts.prefill_chunk,
+            threads: rayon::current_num_threads(),
+            attn_probs: opts.attn_probs,
+            chat_template: opts.chat,
+            prompt_source: opts.prompt_source.clone(),
+            kvreplay_version: env!("CARGO_PKG_VERSION").into(),
+            created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+        },
+        files: Vec::new(),
+    };
+    let out = writer.finish(manifest)?;
+    Ok(CaptureSummary {
+        out,
+        prompt_len: p,
+        n_decode: opts.n_decode,
+        prefill_secs,
+        decode_secs,
+        continuation: model.tokenizer.decode(&ids[p..]),
+    })
+}

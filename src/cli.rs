@@ -1,0 +1,309 @@
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::{Path, PathBuf};
+
+use kvreplay_capture::{capture, CaptureOptions, Model, Phase, Progress};
+use kvreplay_traces::{Dtype, Span, Trace, VerifyOptions};
+
+/// Where `scripts/fetch-model.sh` caches the default model.
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Parser)]
+#[command(
+    name = "kvreplay",
+    version,
+    about = "Record an LLM's attention inputs once; replay KV-cache compression policies on them in seconds."
+)]
+struct Cli {
+    /// Worker threads (default: all cores). Results do not depend on it.
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a GGUF model once on a prompt and write a trace (q/k/v/o per layer and head).
+    Capture(CaptureArgs),
+    /// Print a trace's manifest and per-layer shapes and norms.
+    Inspect { trace: PathBuf },
+    /// Check a trace's sizes and checksums and recompute `o` from q/k/v at sample positions.
+    Verify {
+        trace: PathBuf,
+        /// Positions recomputed per layer.
+        #[arg(long, default_value_t = 8)]
+        positions: usize,
+    },
+}
+
+#[derive(Args)]
+struct CaptureArgs {
+    /// GGUF model file [default: $KVREPLAY_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Prompt text (tokenized as is: no special tokens are added).
+    #[arg(long, group = "prompt_src", required = true)]
+    prompt: Option<String>,
+    /// Read the prompt text from a file.
+    #[arg(long, group = "prompt_src")]
+    prompt_file: Option<PathBuf>,
+    /// Wrap the prompt in the model's chat template (one user message, then the assistant turn).
+    #[arg(long)]
+    chat: bool,
+    /// Greedy tokens to generate after the prompt.
+    #[arg(long, default_value_t = 16)]
+    decode: usize,
+    /// Output trace directory (conventionally NAME.kvtrace).
+    #[arg(long)]
+    out: PathBuf,
+    /// Storage dtype of q/k/v/o: f16, bf16 or f32.
+    #[arg(long, default_value = "f16")]
+    dtype: Dtype,
+    /// Also store full attention probabilities (n_heads, T, T) per layer; T <= 1024.
+    #[arg(long)]
+    attn_probs: bool,
+    /// Prompt positions per prefill step (bounds memory on long prompts).
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+    /// Named prompt token span NAME:START:END (end exclusive), recorded in the manifest. Repeatable.
+    #[arg(long = "span", value_parser = parse_span)]
+    spans: Vec<Span>,
+    /// Overwrite an existing trace at --out.
+    #[arg(long)]
+    force: bool,
+}
+
+fn parse_span(s: &str) -> Result<Span, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let bad = || format!("`{s}` is not NAME:START:END (e.g. needle:120:140)");
+    if parts.len() != 3 || parts[0].is_empty() {
+        return Err(bad());
+    }
+    let start = parts[1].parse().map_err(|_| bad())?;
+    let end = parts[2].parse().map_err(|_| bad())?;
+    Ok(Span {
+        name: parts[0].into(),
+        start,
+        end,
+    })
+}
+
+pub fn run() -> Result<()> {
+    let cli = Cli::parse();
+    if let Some(n) = cli.threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("setting up the thread pool")?;
+    }
+    match cli.cmd {
+        Cmd::Capture(a) => cmd_capture(a),
+        Cmd::Inspect { trace } => cmd_inspect(&trace),
+        Cmd::Verify { trace, positions } => cmd_verify(&trace, positions),
+    }
+}
+
+/// The model path: --model, else $KVREPLAY_MODEL, else the cached default.
+pub fn resolve_model(arg: Option<PathBuf>) -> Result<PathBuf> {
+    let path = arg
+        .or_else(|| std::env::var_os("KVREPLAY_MODEL").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
+    if !path.exists() {
+        bail!(
+            "model file {} not found; pass --model FILE.gguf, or run scripts/fetch-model.sh to fetch the default model",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+fn cmd_capture(a: CaptureArgs) -> Result<()> {
+    let model_path = resolve_model(a.model)?;
+    let (prompt, source) = match (a.prompt, a.prompt_file) {
+        (Some(p), _) => (p, "text".to_string()),
+        (None, Some(f)) => {
+            let text = std::fs::read_to_string(&f)
+                .with_context(|| format!("reading prompt file {}", f.display()))?;
+            let name = f
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            (text, format!("file:{name}"))
+        }
+        (None, None) => unreachable!("clap requires one prompt source"),
+    };
+    if a.out.exists() && !a.force {
+        bail!(
+            "{}: already exists; pass --force to overwrite it or choose another --out",
+            a.out.display()
+        );
+    }
+    let spinner =
+        ProgressBar::new_spinner().with_message(format!("loading {}", model_path.display()));
+    let model = Model::load(&model_path)
+        .with_context(|| format!("loading model {}", model_path.display()))?;
+    spinner.finish_and_clear();
+    let mut opts = CaptureOptions::new(prompt, &a.out);
+    opts.prompt_source = source;
+    opts.chat = a.chat;
+    opts.n_decode = a.decode;
+    opts.dtype = a.dtype;
+    opts.prefill_chunk = a.prefill_chunk;
+    opts.attn_probs = a.attn_probs;
+    opts.force = a.force;
+    opts.spans = a.spans;
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg:>8} [{bar:40}] {pos}/{len} tokens ({per_sec}, eta {eta})",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    let mut on_progress = |p: Progress| {
+        let msg = match p.phase {
+            Phase::Prefill => "prefill",
+            Phase::Decode => "decode",
+            Phase::Finish => "writing",
+        };
+        if bar.message() != msg {
+            bar.reset();
+            bar.set_message(msg);
+            bar.set_length(p.total as u64);
+        }
+        bar.set_position(p.done as u64);
+    };
+    let s = capture(&model, &opts, &mut on_progress)
+        .with_context(|| format!("capturing into {}", a.out.display()))?;
+    bar.finish_and_clear();
+    println!(
+        "wrote {}: {} prompt + {} generated tokens, {} layers",
+        s.out.display(),
+        s.prompt_len,
+        s.n_decode,
+        model.llama.cfg.n_layers
+    );
+    println!(
+        "prefill {:.1} tok/s ({:.2} s), decode {:.1} tok/s ({:.2} s)",
+        s.prompt_len as f64 / s.prefill_secs,
+        s.prefill_secs,
+        s.n_decode as f64 / s.decode_secs.max(1e-9),
+        s.decode_secs
+    );
+    println!("continuation: {:?}", s.continuation);
+    Ok(())
+}
+
+fn cmd_inspect(dir: &Path) -> Result<()> {
+    let trace = Trace::open(dir).with_context(|| format!("opening trace {}", dir.display()))?;
+    let m = &trace.manifest;
+    let md = &m.model;
+    println!("trace      {}", dir.display());
+    println!("format     {} v{}", m.format, m.format_version);
+    println!(
+        "model      {} ({}), {} layers, {} heads / {} KV heads, head_dim {}",
+        md.name.as_deref().unwrap_or("?"),
+        md.architecture,
+        md.n_layers,
+        md.n_heads,
+        md.n_kv_heads,
+        md.head_dim
+    );
+    println!(
+        "source     {} ({} bytes, sha256 {})",
+        md.source.file_name, md.source.size, md.source.sha256
+    );
+    println!(
+        "rope       theta {}, {:?}, {} rotated dims, scaling {:?}",
+        md.rope.theta, md.rope.style, md.rope.rotated_dims, md.rope.scaling
+    );
+    println!(
+        "tokens     {} prompt + {} generated ({}) = T {}",
+        m.prompt_len(),
+        m.generation.n_decode,
+        m.generation.method,
+        m.total_len()
+    );
+    let prompt: String = m.tokens.text[..m.prompt_len()].concat();
+    let cont: String = m.tokens.text[m.prompt_len()..].concat();
+    println!("prompt     {:?}", preview(&prompt, 160));
+    println!("generated  {:?}", preview(&cont, 160));
+    for s in &m.spans {
+        println!("span       {} [{}, {})", s.name, s.start, s.end);
+    }
+    let c = &m.capture;
+    println!(
+        "capture    device {}, dtype {} (compute {}), chunk {}, threads {}, attn_probs {}, chat {}, source {}",
+        c.device, c.dtype.name(), c.compute_dtype, c.prefill_chunk, c.threads, c.attn_probs, c.chat_template, c.prompt_source
+    );
+    println!(
+        "created    {} by kvreplay {}",
+        c.created, c.kvreplay_version
+    );
+    println!();
+    println!(
+        "layer  q {:?}  k/v {:?}  o {:?}  attn_colsum [{}, {}]",
+        [md.n_heads, m.total_len(), md.head_dim],
+        [md.n_kv_heads, m.total_len(), md.head_dim],
+        [md.n_heads, m.total_len(), md.head_dim],
+        md.n_heads,
+        m.prompt_len()
+    );
+    println!(
+        "{:>5} {:>9} {:>9} {:>9} {:>9}   (mean L2 norm of a row)",
+        "layer", "|q|", "|k|", "|v|", "|o|"
+    );
+    for l in 0..trace.n_layers() {
+        let layer = trace.layer(l);
+        let norm = |views: Vec<kvreplay_traces::HeadView>| -> f64 {
+            let (mut s, mut n) = (0f64, 0usize);
+            for v in views {
+                for row in v.to_f32().chunks_exact(v.cols) {
+                    s += row.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+                    n += 1;
+                }
+            }
+            s / n as f64
+        };
+        println!(
+            "{:>5} {:>9.3} {:>9.3} {:>9.3} {:>9.3}",
+            l,
+            norm((0..md.n_heads).map(|h| layer.q(h)).collect()),
+            norm((0..md.n_kv_heads).map(|h| layer.k(h)).collect()),
+            norm((0..md.n_kv_heads).map(|h| layer.v(h)).collect()),
+            norm((0..md.n_heads).map(|h| layer.o(h)).collect()),
+        );
+    }
+    Ok(())
+}
+
+fn preview(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        s.chars().take(n).collect::<String>() + "..."
+    }
+}
+
+fn cmd_verify(dir: &Path, positions: usize) -> Result<()> {
+    let opts = VerifyOptions {
+        positions_per_layer: positions,
+        tolerance: None,
+    };
+    let r = kvreplay_traces::verify(dir, &opts)
+        .with_context(|| format!("verifying trace {}", dir.display()))?;
+    println!(
+        "ok: {} layer files ({:.1} MB) match their sizes and sha256; o recomputed from q/k/v at {} (layer, head, position) points, max relative L2 error {:.2e} (tolerance {:.0e})",
+        r.files_checked,
+        r.bytes_checked as f64 / 1e6,
+        r.positions_checked,
+        r.max_rel_err,
+        r.tolerance
+    );
+    Ok(())
+}
