@@ -36,6 +36,27 @@ enum Cmd {
         #[arg(long, default_value_t = 8)]
         positions: usize,
     },
+    /// Benchmarks on the real model (see BENCHMARKS.md).
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Capture throughput: prefill and decode tokens per second, trace writes included.
+    Capture {
+        /// GGUF model file [default: $KVREPLAY_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, default_value_t = 2048)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 64)]
+        decode: usize,
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        #[arg(long, default_value = "f16")]
+        dtype: Dtype,
+    },
 }
 
 #[derive(Args)]
@@ -105,6 +126,19 @@ pub fn run() -> Result<()> {
         Cmd::Capture(a) => cmd_capture(a),
         Cmd::Inspect { trace } => cmd_inspect(&trace),
         Cmd::Verify { trace, positions } => cmd_verify(&trace, positions),
+        Cmd::Bench(BenchCmd::Capture {
+            model,
+            prompt_tokens,
+            decode,
+            reps,
+            dtype,
+        }) => crate::bench::bench_capture(&crate::bench::CaptureBench {
+            model: resolve_model(model)?,
+            prompt_tokens,
+            decode,
+            reps: reps.max(1),
+            dtype,
+        }),
     }
 }
 

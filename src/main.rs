@@ -1,6 +1,7 @@
 //! `kvreplay`: the command-line front end. Libraries return typed errors;
 //! this binary adds context and prints them.
 
+mod bench;
 mod cli;
 
 fn main() {

@@ -18,6 +18,9 @@ pub const MAX_ATTN_PROBS_LEN: usize = 1024;
 pub struct CaptureOptions {
     /// The prompt text (before the chat template, if any).
     pub prompt: String,
+    /// Pre-tokenized prompt ids; when set they are used as is (no template,
+    /// no tokenization) and `prompt` is only descriptive.
+    pub prompt_ids: Option<Vec<u32>>,
     /// Where the prompt came from, recorded in the manifest (`text`, `file:NAME`, ...).
     pub prompt_source: String,
     /// Wrap the prompt in the model's chat template as one user message.
@@ -38,6 +41,7 @@ impl CaptureOptions {
     pub fn new(prompt: impl Into<String>, out: impl Into<PathBuf>) -> Self {
         CaptureOptions {
             prompt: prompt.into(),
+            prompt_ids: None,
             prompt_source: "text".into(),
             chat: false,
             n_decode: 16,
@@ -86,20 +90,27 @@ pub fn capture(
     progress: &mut dyn FnMut(Progress),
 ) -> Result<CaptureSummary, CaptureError> {
     let cfg = &model.llama.cfg;
-    if opts.prompt.is_empty() {
-        return Err(CaptureError::EmptyPrompt);
-    }
     if opts.prefill_chunk == 0 {
         return Err(CaptureError::InvalidOption(
             "prefill chunk must be at least 1".into(),
         ));
     }
-    let text = if opts.chat {
-        model.tokenizer.apply_chat_template(&opts.prompt)?
-    } else {
-        opts.prompt.clone()
+    let mut ids = match &opts.prompt_ids {
+        Some(ids) => {
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= cfg.vocab_size) {
+                return Err(CaptureError::InvalidOption(format!(
+                    "prompt token id {bad} is outside the vocabulary (size {})",
+                    cfg.vocab_size
+                )));
+            }
+            ids.clone()
+        }
+        None if opts.prompt.is_empty() => return Err(CaptureError::EmptyPrompt),
+        None if opts.chat => model
+            .tokenizer
+            .encode(&model.tokenizer.apply_chat_template(&opts.prompt)?)?,
+        None => model.tokenizer.encode(&opts.prompt)?,
     };
-    let mut ids = model.tokenizer.encode(&text)?;
     let p = ids.len();
     if p == 0 {
         return Err(CaptureError::EmptyPrompt);
