@@ -96,7 +96,11 @@ impl LlamaConfig {
         let ffn_dim = g.get_u64(&k("feed_forward_length"))? as usize;
         let context_length = g.get_u64(&k("context_length"))? as usize;
         let norm_eps = g.get_f64(&k("attention.layer_norm_rms_epsilon"))? as f32;
-        if n_heads == 0 || n_kv_heads == 0 || n_heads % n_kv_heads != 0 || d_model % n_heads != 0 {
+        if n_heads == 0
+            || n_kv_heads == 0
+            || !n_heads.is_multiple_of(n_kv_heads)
+            || !d_model.is_multiple_of(n_heads)
+        {
             return Err(CaptureError::Metadata {
                 path: g.path.clone(),
                 key: k("attention.head_count"),

@@ -253,7 +253,7 @@ impl Manifest {
                 "model: n_layers, n_heads, n_kv_heads and head_dim must be positive".into(),
             );
         }
-        if m.n_heads % m.n_kv_heads != 0 {
+        if !m.n_heads.is_multiple_of(m.n_kv_heads) {
             return Err(format!(
                 "model: n_heads ({}) is not a multiple of n_kv_heads ({})",
                 m.n_heads, m.n_kv_heads

@@ -15,11 +15,13 @@ pub struct Trace {
     layers: Vec<LayerFile>,
 }
 
+/// name -> (dtype, shape, absolute byte range in the file)
+type TensorIndex = BTreeMap<String, (Dtype, Vec<usize>, std::ops::Range<usize>)>;
+
 struct LayerFile {
     path: PathBuf,
     mmap: Mmap,
-    /// name -> (dtype, shape, absolute byte range in the file)
-    tensors: BTreeMap<String, (Dtype, Vec<usize>, std::ops::Range<usize>)>,
+    tensors: TensorIndex,
 }
 
 impl Trace {
@@ -96,11 +98,7 @@ impl Manifest {
     }
 }
 
-fn parse_layer(
-    path: &Path,
-    bytes: &[u8],
-    layout: &TraceLayout,
-) -> Result<BTreeMap<String, (Dtype, Vec<usize>, std::ops::Range<usize>)>, TraceError> {
+fn parse_layer(path: &Path, bytes: &[u8], layout: &TraceLayout) -> Result<TensorIndex, TraceError> {
     let bad = |tensor: &str, msg: String| TraceError::Tensor {
         path: path.to_path_buf(),
         tensor: tensor.to_string(),
@@ -135,7 +133,7 @@ fn parse_layer(
         }
         let start = tv.data().as_ptr() as usize - base;
         debug_assert!(start >= data_start);
-        if start % dtype.size() != 0 {
+        if !start.is_multiple_of(dtype.size()) {
             return Err(bad(name, "data is not aligned to its dtype".into()));
         }
         out.insert(

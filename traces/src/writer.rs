@@ -108,7 +108,7 @@ fn layer_header(
         off += bytes;
     }
     let mut text = serde_json::to_vec(&Value::Object(map)).expect("header serialises");
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(b' ');
     }
     let mut header = (text.len() as u64).to_le_bytes().to_vec();

@@ -100,7 +100,8 @@ impl BlockType {
 
     /// Bytes needed for `n` elements (n must be a multiple of the block size).
     pub fn bytes_for(self, n: usize) -> Option<usize> {
-        (n % self.block_elems() == 0).then(|| n / self.block_elems() * self.block_bytes())
+        n.is_multiple_of(self.block_elems())
+            .then(|| n / self.block_elems() * self.block_bytes())
     }
 }
 
@@ -113,7 +114,7 @@ fn f16_at(b: &[u8], i: usize) -> f32 {
 /// so results do not depend on the thread count.
 pub fn dequantize(ty: BlockType, src: &[u8], out: &mut [f32]) -> Result<(), KernelError> {
     let (be, bb) = (ty.block_elems(), ty.block_bytes());
-    if out.len() % be != 0 || src.len() != out.len() / be * bb {
+    if !out.len().is_multiple_of(be) || src.len() != out.len() / be * bb {
         return Err(KernelError::Shape {
             op: "dequantize",
             msg: format!(
@@ -337,7 +338,7 @@ mod tests {
         b.extend_from_slice(&pack_scales(sc, mn));
         // qs chunk j holds sub-block 2j in low nibbles and 2j+1 in high nibbles
         for j in 0..4u8 {
-            b.extend(std::iter::repeat((2 * j) | ((2 * j + 1) << 4)).take(32));
+            b.extend(std::iter::repeat_n((2 * j) | ((2 * j + 1) << 4), 32));
         }
         let y = deq(BlockType::Q4_K, &b);
         for (i, v) in y.iter().enumerate() {
@@ -354,9 +355,9 @@ mod tests {
         let mn: [u8; 8] = core::array::from_fn(|s| 2 * s as u8);
         let mut b = [h(0.5), h(0.25)].concat();
         b.extend_from_slice(&pack_scales(sc, mn));
-        b.extend(std::iter::repeat(0b0010_0001u8).take(32));
+        b.extend(std::iter::repeat_n(0b0010_0001u8, 32));
         for j in 0..4u8 {
-            b.extend(std::iter::repeat((2 * j) | ((2 * j + 1) << 4)).take(32));
+            b.extend(std::iter::repeat_n((2 * j) | ((2 * j + 1) << 4), 32));
         }
         let y = deq(BlockType::Q5_K, &b);
         for (i, v) in y.iter().enumerate() {
@@ -378,7 +379,7 @@ mod tests {
         // (low nibble 1, high nibble 2), qh = 0b11_10_01_00 (quarter r gets high bits r),
         // scales sc[k] = k - 8, d = 0.5:  q = nib + 16r - 32,  x = 0.5 (k-8) q.
         let mut b = vec![0x21u8; 128];
-        b.extend(std::iter::repeat(0b1110_0100u8).take(64));
+        b.extend(std::iter::repeat_n(0b1110_0100u8, 64));
         b.extend((0..16).map(|k| (k as i8 - 8) as u8));
         b.extend_from_slice(&h(0.5));
         let y = deq(BlockType::Q6_K, &b);

@@ -57,6 +57,7 @@ pub fn linear(x: &[f32], w: &[f32], out: &mut [f32], m: usize, k: usize, n: usiz
 /// parallelise over heads.
 ///
 /// `b_t` = true reads `b` transposed: b is stored (n, k) and the product is a·bᵀ.
+#[allow(clippy::too_many_arguments)]
 pub fn matmul_strided(
     a: &[f32],
     lda: usize,

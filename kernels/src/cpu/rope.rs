@@ -32,7 +32,7 @@ impl RopeParams {
 /// Rotate `x` (rows, n_heads, head_dim) in place; row r is at position `pos0 + r`.
 pub fn apply_rope(x: &mut [f32], n_heads: usize, head_dim: usize, pos0: usize, p: &RopeParams) {
     assert!(
-        p.rotated_dims <= head_dim && p.rotated_dims % 2 == 0,
+        p.rotated_dims <= head_dim && p.rotated_dims.is_multiple_of(2),
         "rope: bad rotated_dims"
     );
     let row_len = n_heads * head_dim;
