@@ -13,7 +13,7 @@ const HEAD_DIM: u64 = 8;
 const FFN: u64 = 64;
 const LAYERS: usize = 2;
 const CONTROL: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
-const MERGES: [&str; 3] = ["Ġ t", "h e", "Ġt he"];
+const MERGES: [&str; 5] = ["Ġ t", "h e", "Ġt he", "1 2", "12 3"];
 
 /// GPT-2's printable stand-in for every byte.
 fn byte_chars() -> Vec<char> {
@@ -40,7 +40,7 @@ fn byte_chars() -> Vec<char> {
 fn vocab() -> (Vec<String>, Vec<u64>) {
     let mut tokens: Vec<String> = CONTROL.iter().map(|s| s.to_string()).collect();
     tokens.extend(byte_chars().into_iter().map(String::from));
-    tokens.extend(["Ġt", "he", "Ġthe"].map(String::from));
+    tokens.extend(["Ġt", "he", "Ġthe", "12", "123"].map(String::from));
     let types = tokens
         .iter()
         .enumerate()
@@ -94,12 +94,17 @@ struct Tweak {
     /// ggml type written for blk.0.ffn_up (0 = F32).
     ffn_up_type: u32,
     context: u64,
+    pre: &'static str,
+    /// Write an explicit output.weight (equal to the dequantised embedding).
+    untied: bool,
 }
 
 const PLAIN: Tweak = Tweak {
     arch: "llama",
     ffn_up_type: 0,
     context: 64,
+    pre: "smollm",
+    untied: false,
 };
 
 fn tiny_gguf(dir: &Path, tweak: &Tweak) -> PathBuf {
@@ -118,7 +123,7 @@ fn tiny_gguf(dir: &Path, tweak: &Tweak) -> PathBuf {
         (format!("{a}.rope.freq_base"), MetaValue::Float(10000.0)),
         (format!("{a}.attention.layer_norm_rms_epsilon"), MetaValue::Float(1e-5)),
         ("tokenizer.ggml.model".into(), MetaValue::Str("gpt2".into())),
-        ("tokenizer.ggml.pre".into(), MetaValue::Str("smollm".into())),
+        ("tokenizer.ggml.pre".into(), MetaValue::Str(tweak.pre.into())),
         ("tokenizer.ggml.tokens".into(), MetaValue::Array(tokens.into_iter().map(MetaValue::Str).collect())),
         ("tokenizer.ggml.token_type".into(), MetaValue::Array(types.into_iter().map(MetaValue::Uint).collect())),
         ("tokenizer.ggml.merges".into(), MetaValue::Array(MERGES.iter().map(|m| MetaValue::Str(m.to_string())).collect())),
@@ -126,10 +131,25 @@ fn tiny_gguf(dir: &Path, tweak: &Tweak) -> PathBuf {
         ("tokenizer.chat_template".into(), MetaValue::Str("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}".into())),
     ];
     let (d, q, kv, f) = (D_MODEL, HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, FFN);
-    let mut t = vec![
-        q8_0_tensor("token_embd.weight", &[d, v], 1, 1.0),
-        f32_tensor("output_norm.weight", &[d], 2, 1.0),
-    ];
+    let embd = q8_0_tensor("token_embd.weight", &[d, v], 1, 1.0);
+    let mut t = vec![f32_tensor("output_norm.weight", &[d], 2, 1.0)];
+    if tweak.untied {
+        let mut deq = vec![0f32; (d * v) as usize];
+        kvreplay_kernels::cpu::dequantize(
+            kvreplay_kernels::cpu::BlockType::Q8_0,
+            &embd.data,
+            &mut deq,
+        )
+        .unwrap();
+        let data = deq.iter().flat_map(|x| x.to_le_bytes()).collect();
+        t.push(RawTensor {
+            name: "output.weight".into(),
+            dims: vec![d, v],
+            ggml_type: 0,
+            data,
+        });
+    }
+    t.push(embd);
     for l in 0..LAYERS as u64 {
         let s = 100 * (l + 1);
         let n = |x: &str| format!("blk.{l}.{x}.weight");
@@ -149,7 +169,10 @@ fn tiny_gguf(dir: &Path, tweak: &Tweak) -> PathBuf {
     }
     let meta_refs: Vec<(&str, MetaValue)> =
         meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-    let path = dir.join(format!("tiny-{a}-{}.gguf", tweak.ffn_up_type));
+    let path = dir.join(format!(
+        "tiny-{a}-{}-{}-{}.gguf",
+        tweak.ffn_up_type, tweak.pre, tweak.untied
+    ));
     std::fs::write(&path, gguf_bytes(&meta_refs, &t)).unwrap();
     path
 }
@@ -208,7 +231,7 @@ fn capture_writes_a_trace_that_verifies() {
     );
     assert_eq!(
         man.model.source.size,
-        std::fs::metadata(tmp.path().join("tiny-llama-0.gguf"))
+        std::fs::metadata(tmp.path().join("tiny-llama-0-smollm-false.gguf"))
             .unwrap()
             .len()
     );
@@ -227,6 +250,78 @@ fn capture_writes_a_trace_that_verifies() {
     let total: f32 = t.layer(0).attn_colsum(2).iter().sum();
     assert!((total - s.prompt_len as f32).abs() < 1e-4, "{total}");
     assert!(!tmp.path().join("t.kvtrace.partial").exists());
+}
+
+/// Each supported pre-tokenizer splits digits its own way: smollm and qwen2
+/// one digit per piece, llama-bpe up to three, gpt2 whole runs. With the merges
+/// "1 2" and "12 3" in the vocabulary, only the latter two can form "123".
+#[test]
+fn pre_tokenizers_split_digits_as_their_models_do() {
+    let tmp = tempfile::tempdir().unwrap();
+    let digit = |c: u8| c as u32 + 3;
+    let t123 = 263;
+    for (pre, want) in [
+        (
+            "smollm",
+            vec![
+                digit(b'1'),
+                digit(b'2'),
+                digit(b'3'),
+                digit(b'4'),
+                digit(b'5'),
+            ],
+        ),
+        (
+            "qwen2",
+            vec![
+                digit(b'1'),
+                digit(b'2'),
+                digit(b'3'),
+                digit(b'4'),
+                digit(b'5'),
+            ],
+        ),
+        ("llama-bpe", vec![t123, digit(b'4'), digit(b'5')]),
+        ("gpt2", vec![t123, digit(b'4'), digit(b'5')]),
+    ] {
+        let m = Model::load(&tiny_gguf(tmp.path(), &Tweak { pre, ..PLAIN })).unwrap();
+        assert_eq!(
+            m.tokenizer.encode("12345").unwrap(),
+            want,
+            "pre-tokenizer {pre}"
+        );
+    }
+    let e = err_of(Model::load(&tiny_gguf(
+        tmp.path(),
+        &Tweak {
+            pre: "falcon",
+            ..PLAIN
+        },
+    )));
+    assert!(
+        e.contains("pre-tokenizer `falcon`") && e.contains("llama-bpe"),
+        "{e}"
+    );
+}
+
+/// An explicit output head equal to the embedding gives the tied model's trace.
+#[test]
+fn untied_output_head_is_used() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tied = load(tmp.path());
+    let untied = Model::load(&tiny_gguf(
+        tmp.path(),
+        &Tweak {
+            untied: true,
+            ..PLAIN
+        },
+    ))
+    .unwrap();
+    assert!(tied.llama.lm_head.is_none() && untied.llama.lm_head.is_some());
+    let (a, b) = (tmp.path().join("a.kvtrace"), tmp.path().join("b.kvtrace"));
+    capture(&tied, &opts(&a), &mut |_| {}).unwrap();
+    capture(&untied, &opts(&b), &mut |_| {}).unwrap();
+    assert_eq!(read_all(&a), read_all(&b));
 }
 
 fn read_all(dir: &Path) -> Vec<Vec<u8>> {
