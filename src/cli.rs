@@ -36,6 +36,10 @@ enum Cmd {
         #[arg(long, default_value_t = 8)]
         positions: usize,
     },
+    /// List every compression policy with its parameters, defaults and source paper.
+    Policies,
+    /// Apply a compression policy to a trace and measure output error, retention and memory.
+    Replay(ReplayArgs),
     /// Benchmarks on the real model (see BENCHMARKS.md).
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -57,6 +61,25 @@ enum BenchCmd {
         #[arg(long, default_value = "f16")]
         dtype: Dtype,
     },
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    /// Trace directory written by `kvreplay capture`.
+    #[arg(long)]
+    trace: PathBuf,
+    /// Policy spec: NAME, NAME:key=value,..., or a composition like snapkv+quant:bits=4.
+    #[arg(long)]
+    policy: String,
+    /// Prompt entries kept per KV head per layer.
+    #[arg(long, group = "budget_arg", required = true)]
+    budget: Option<usize>,
+    /// Fraction of the prompt kept per KV head per layer, in (0, 1].
+    #[arg(long, group = "budget_arg")]
+    ratio: Option<f64>,
+    /// Output directory for metrics.csv, retention.csv and summary.json.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -126,6 +149,8 @@ pub fn run() -> Result<()> {
         Cmd::Capture(a) => cmd_capture(a),
         Cmd::Inspect { trace } => cmd_inspect(&trace),
         Cmd::Verify { trace, positions } => cmd_verify(&trace, positions),
+        Cmd::Policies => cmd_policies(),
+        Cmd::Replay(a) => cmd_replay(a),
         Cmd::Bench(BenchCmd::Capture {
             model,
             prompt_tokens,
@@ -338,6 +363,89 @@ fn cmd_verify(dir: &Path, positions: usize) -> Result<()> {
         r.positions_checked,
         r.max_rel_err,
         r.tolerance
+    );
+    Ok(())
+}
+
+fn cmd_policies() -> Result<()> {
+    for p in kvreplay_replay::REGISTRY {
+        let kind = if p.wrapper {
+            "  (wrapper: compose as POLICY+".to_string() + p.name + ")"
+        } else {
+            String::new()
+        };
+        println!("{}{}", p.name, kind);
+        println!("    {}", p.summary);
+        println!("    paper: {}", p.paper);
+        for a in p.params {
+            println!("    {:<15} default {:<9} {}", a.name, a.default, a.help);
+        }
+        println!();
+    }
+    println!("Spec syntax: NAME, NAME:key=value,key=value, or BASE+WRAPPER (e.g. snapkv:w=16+quant:bits=2).");
+    Ok(())
+}
+
+fn cmd_replay(a: ReplayArgs) -> Result<()> {
+    use kvreplay_replay::{Budget, PolicySpec};
+    let spec = PolicySpec::parse(&a.policy)?;
+    let policy = spec.build()?;
+    let budget = match (a.budget, a.ratio) {
+        (Some(n), _) => Budget::Entries(n),
+        (None, Some(r)) => Budget::Ratio(r),
+        (None, None) => unreachable!("clap requires one budget"),
+    };
+    let trace =
+        Trace::open(&a.trace).with_context(|| format!("opening trace {}", a.trace.display()))?;
+    budget.resolve(trace.manifest.prompt_len())?;
+    let start = std::time::Instant::now();
+    let r = kvreplay_replay::replay(&trace, policy.as_ref(), budget)
+        .with_context(|| format!("replaying {} on {}", spec.canonical(), a.trace.display()))?;
+    let secs = start.elapsed().as_secs_f64();
+    let s = kvreplay_replay::output::summary(&trace, &spec, budget, &r);
+    kvreplay_replay::output::write(&a.out, &s, &r)
+        .with_context(|| format!("writing results to {}", a.out.display()))?;
+    println!(
+        "{} at budget {} on {} ({} prompt + {} decode tokens), {:.2} s",
+        s.policy_spec,
+        s.budget,
+        a.trace.display(),
+        s.trace.prompt_len,
+        s.trace.n_decode,
+        secs
+    );
+    println!(
+        "{:>6} {:>10} {:>9} {:>10} {:>10} {:>12}",
+        "layer", "rel_l2", "cosine", "attn_mass", "kl", "bytes"
+    );
+    for l in &r.layers {
+        let n = l.metrics.len() as f64;
+        let mean = |f: &dyn Fn(&kvreplay_replay::HeadMetrics) -> f64| {
+            l.metrics.iter().map(f).sum::<f64>() / n
+        };
+        println!(
+            "{:>6} {:>10.4} {:>9.4} {:>10.4} {:>10.4} {:>12}",
+            l.metrics[0].layer,
+            mean(&|m| m.rel_l2),
+            mean(&|m| m.cosine),
+            mean(&|m| m.attn_mass),
+            mean(&|m| m.kl),
+            l.bytes
+        );
+    }
+    println!(
+        "{:>6} {:>10.4} {:>9.4} {:>10.4} {:>10.4} {:>12}  ({:.1}% of the full f16 cache)",
+        "all",
+        s.rel_l2_mean,
+        s.cosine_mean,
+        s.attn_mass_mean,
+        s.kl_mean,
+        s.bytes,
+        100.0 * s.memory_ratio
+    );
+    println!(
+        "wrote {}/{{metrics.csv, retention.csv, summary.json}}",
+        a.out.display()
     );
     Ok(())
 }

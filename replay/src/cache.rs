@@ -1,0 +1,127 @@
+//! The compressed cache of one KV head: one representation for eviction,
+//! merging, quantisation and sharing.
+
+/// Storage bits of one f16 number.
+pub const F16_BITS: u64 = 16;
+
+/// One KV head's cache. Entry `e` is (key, value, additive logit bias, the
+/// original positions it stands for, its storage cost in bits). Every policy
+/// here keeps entries in position order (of their first member).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HeadCache {
+    pub d: usize,
+    /// (n, d)
+    pub keys: Vec<f32>,
+    /// (n, d)
+    pub values: Vec<f32>,
+    /// (n,) added to the entry's logit: log(count) for a merge of count positions, 0 otherwise.
+    pub bias: Vec<f32>,
+    /// (n,) original positions each entry stands for, ascending.
+    pub members: Vec<Vec<u32>>,
+    /// (n,) storage cost: key + value + metadata (e.g. bias, quantisation scales).
+    pub bits: Vec<u64>,
+}
+
+impl HeadCache {
+    pub fn new(d: usize) -> HeadCache {
+        HeadCache {
+            d,
+            ..Default::default()
+        }
+    }
+
+    /// Cost of one exact f16 entry: key and value, no metadata.
+    pub fn exact_bits(d: usize) -> u64 {
+        2 * d as u64 * F16_BITS
+    }
+
+    pub fn len(&self) -> usize {
+        self.bias.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bias.is_empty()
+    }
+
+    pub fn key(&self, e: usize) -> &[f32] {
+        &self.keys[e * self.d..(e + 1) * self.d]
+    }
+
+    pub fn value(&self, e: usize) -> &[f32] {
+        &self.values[e * self.d..(e + 1) * self.d]
+    }
+
+    pub fn value_mut(&mut self, e: usize) -> &mut [f32] {
+        &mut self.values[e * self.d..(e + 1) * self.d]
+    }
+
+    /// Append the exact entry of position `pos`.
+    pub fn push_exact(&mut self, pos: usize, key: &[f32], value: &[f32]) {
+        debug_assert_eq!(key.len(), self.d);
+        self.keys.extend_from_slice(key);
+        self.values.extend_from_slice(value);
+        self.bias.push(0.0);
+        self.members.push(vec![pos as u32]);
+        self.bits.push(Self::exact_bits(self.d));
+    }
+
+    /// Remove entry `e`, keeping the order of the others.
+    pub fn remove(&mut self, e: usize) {
+        let d = self.d;
+        self.keys.drain(e * d..(e + 1) * d);
+        self.values.drain(e * d..(e + 1) * d);
+        self.bias.remove(e);
+        self.members.remove(e);
+        self.bits.remove(e);
+    }
+
+    /// Keep only the entries whose indices are in `keep` (ascending).
+    pub fn retain_indices(&mut self, keep: &[usize]) {
+        let d = self.d;
+        let mut out = HeadCache::new(d);
+        for &e in keep {
+            out.keys.extend_from_slice(&self.keys[e * d..(e + 1) * d]);
+            out.values
+                .extend_from_slice(&self.values[e * d..(e + 1) * d]);
+            out.bias.push(self.bias[e]);
+            out.members.push(std::mem::take(&mut self.members[e]));
+            out.bits.push(self.bits[e]);
+        }
+        *self = out;
+    }
+
+    /// First original position of each entry.
+    pub fn positions(&self) -> Vec<usize> {
+        self.members.iter().map(|m| m[0] as usize).collect()
+    }
+
+    pub fn total_bits(&self) -> u64 {
+        self.bits.iter().sum()
+    }
+
+    /// Bytes of storage, rounded up.
+    pub fn bytes(&self) -> u64 {
+        self.total_bits().div_ceil(8)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn push_remove_retain_keep_everything_aligned() {
+        let mut c = HeadCache::new(2);
+        for p in 0..4 {
+            c.push_exact(p, &[p as f32, 0.0], &[0.0, p as f32]);
+        }
+        c.remove(1);
+        assert_eq!(c.positions(), vec![0, 2, 3]);
+        assert_eq!(c.key(1), &[2.0, 0.0]);
+        c.retain_indices(&[0, 2]);
+        assert_eq!(c.positions(), vec![0, 3]);
+        assert_eq!(c.value(1), &[0.0, 3.0]);
+        assert_eq!(c.total_bits(), 2 * 2 * 2 * 16);
+        assert_eq!(c.bytes(), 16);
+    }
+}

@@ -1,0 +1,284 @@
+//! The replay loop (semantics in `replay/SEMANTICS.md`).
+
+use rayon::prelude::*;
+use serde::Serialize;
+
+use kvreplay_traces::Trace;
+
+use crate::cache::HeadCache;
+use crate::policy::{LayerData, Policy, PrefillCtx, StepCtx};
+use crate::ReplayError;
+
+/// How much prompt cache to keep per KV head and layer.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Budget {
+    /// B entries.
+    Entries(usize),
+    /// B = floor(r * prompt_len), r in (0, 1].
+    Ratio(f64),
+}
+
+impl Budget {
+    pub fn resolve(self, prompt_len: usize) -> Result<usize, ReplayError> {
+        let b = match self {
+            Budget::Entries(0) => {
+                return Err(ReplayError::BadBudget(
+                    "--budget must be at least 1 entry".into(),
+                ))
+            }
+            Budget::Entries(n) => n,
+            Budget::Ratio(r) if !(r > 0.0 && r <= 1.0) => {
+                return Err(ReplayError::BadBudget(format!(
+                    "--ratio {r} must lie in (0, 1]"
+                )))
+            }
+            Budget::Ratio(r) => (r * prompt_len as f64).floor() as usize,
+        };
+        if b == 0 {
+            return Err(ReplayError::BadBudget(format!(
+                "{self:?} of a {prompt_len}-token prompt keeps no entry; raise it"
+            )));
+        }
+        Ok(b)
+    }
+}
+
+/// Metrics of one (layer, query head), averaged over the decode steps.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct HeadMetrics {
+    pub layer: usize,
+    pub head: usize,
+    pub rel_l2: f64,
+    pub cosine: f64,
+    pub attn_mass: f64,
+    pub kl: f64,
+    /// Bytes of this head's KV-head cache at the end of the run.
+    pub bytes: u64,
+}
+
+/// One original prompt position still represented at the end of the run.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Retained {
+    pub layer: usize,
+    /// The cache (KV) head.
+    pub head: usize,
+    pub position: usize,
+    /// Index of the entry that represents it.
+    pub entry: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct LayerResult {
+    pub metrics: Vec<HeadMetrics>,
+    pub retained: Vec<Retained>,
+    /// Storage of the compressed caches at the end of the run, all KV heads.
+    pub bytes: u64,
+    /// Storage of the full f16 cache of T entries, all KV heads.
+    pub full_bytes: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct ReplayResult {
+    pub budget: usize,
+    pub layers: Vec<LayerResult>,
+}
+
+impl ReplayResult {
+    pub fn metrics(&self) -> impl Iterator<Item = &HeadMetrics> {
+        self.layers.iter().flat_map(|l| l.metrics.iter())
+    }
+    pub fn mean(&self, f: impl Fn(&HeadMetrics) -> f64) -> f64 {
+        let (s, n) = self.metrics().fold((0.0, 0), |(s, n), m| (s + f(m), n + 1));
+        s / n.max(1) as f64
+    }
+    pub fn bytes(&self) -> u64 {
+        self.layers.iter().map(|l| l.bytes).sum()
+    }
+    pub fn full_bytes(&self) -> u64 {
+        self.layers.iter().map(|l| l.full_bytes).sum()
+    }
+}
+
+/// Read layer `l` of a trace as f32.
+pub fn load_layer(trace: &Trace, l: usize) -> LayerData {
+    let m = &trace.manifest;
+    let view = trace.layer(l);
+    fn cat<'a>(n: usize, get: impl Fn(usize) -> kvreplay_traces::HeadView<'a>) -> Vec<f32> {
+        (0..n).flat_map(|h| get(h).to_f32()).collect()
+    }
+    LayerData {
+        layer: l,
+        n_layers: m.model.n_layers,
+        n_heads: m.model.n_heads,
+        n_kv_heads: m.model.n_kv_heads,
+        d: m.model.head_dim,
+        scale: m.model.attn_scale as f32,
+        prompt_len: m.prompt_len(),
+        total_len: m.total_len(),
+        q: cat(m.model.n_heads, |h| view.q(h)),
+        k: cat(m.model.n_kv_heads, |h| view.k(h)),
+        v: cat(m.model.n_kv_heads, |h| view.v(h)),
+        colsum: (0..m.model.n_heads)
+            .flat_map(|h| view.attn_colsum(h).to_vec())
+            .collect(),
+    }
+}
+
+/// Attention of query `q` over `cache`: the output (d,), the unnormalised
+/// weights exp(logit - max) (n,) and their sum, all in f64.
+pub fn attend(q: &[f32], cache: &HeadCache, scale: f32) -> (Vec<f64>, Vec<f64>, f64) {
+    let n = cache.len();
+    let logits: Vec<f32> = (0..n)
+        .map(|e| crate::policy::dot(q, cache.key(e)) * scale + cache.bias[e])
+        .collect();
+    let mx = logits.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+    let w: Vec<f64> = logits.iter().map(|l| ((l - mx) as f64).exp()).collect();
+    let z: f64 = w.iter().sum();
+    let mut out = vec![0f64; cache.d];
+    for (e, we) in w.iter().enumerate() {
+        let p = we / z;
+        for (o, v) in out.iter_mut().zip(cache.value(e)) {
+            *o += p * *v as f64;
+        }
+    }
+    (out, w, z)
+}
+
+/// Step metrics of one query: (rel_l2, cosine, attn_mass, kl). `full_w`/`full_z`
+/// are the full cache's weights, indexed by position.
+fn step_metrics(
+    o_c: &[f64],
+    o_f: &[f64],
+    cache: &HeadCache,
+    c_w: &[f64],
+    c_z: f64,
+    full_w: &[f64],
+    full_z: f64,
+) -> (f64, f64, f64, f64) {
+    let diff: f64 = o_c.iter().zip(o_f).map(|(a, b)| (a - b) * (a - b)).sum();
+    let nf: f64 = o_f.iter().map(|x| x * x).sum();
+    let nc: f64 = o_c.iter().map(|x| x * x).sum();
+    let rel_l2 = (diff / nf.max(1e-300)).sqrt();
+    let dotp: f64 = o_c.iter().zip(o_f).map(|(a, b)| a * b).sum();
+    let cosine = dotp / (nf.sqrt() * nc.sqrt()).max(1e-300);
+    // Full-attention weight on each entry's members, and on everything represented.
+    let cell: Vec<f64> = cache
+        .members
+        .iter()
+        .map(|m| m.iter().map(|&p| full_w[p as usize]).sum())
+        .collect();
+    let kept: f64 = cell.iter().sum();
+    let attn_mass = kept / full_z;
+    // KL over the cache's entries of the full attention (aggregated onto the
+    // entries, renormalised) to the compressed attention.
+    let mut kl = 0f64;
+    for (e, we) in cell.iter().enumerate() {
+        if *we > 0.0 {
+            let p = we / kept;
+            let q = c_w[e] / c_z;
+            kl += p * (p / q).ln();
+        }
+    }
+    (rel_l2, cosine, attn_mass, kl)
+}
+
+/// Replay `policy` on layer `data` with budget `b`.
+pub fn replay_layer(
+    data: &LayerData,
+    policy: &dyn Policy,
+    b: usize,
+) -> Result<LayerResult, ReplayError> {
+    let (p, t, d) = (data.prompt_len, data.total_len, data.d);
+    let (nh, nkv, group) = (data.n_heads, data.n_kv_heads, data.group());
+    let ctx = PrefillCtx::new(data, b);
+    let (mut caches, mut state) = policy.prefill(&ctx)?;
+    assert_eq!(
+        caches.len(),
+        nkv,
+        "policy returned {} caches for {nkv} KV heads",
+        caches.len()
+    );
+    let mut full: Vec<HeadCache> = ctx.full_caches();
+    let mut sums = vec![[0f64; 4]; nh];
+    let mut probs: Vec<Vec<f32>> = vec![Vec::new(); nh];
+    for pos in p..t {
+        for g in 0..nkv {
+            caches[g].push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
+            full[g].push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
+        }
+        for h in 0..nh {
+            let g = h / group;
+            let q = data.q_row(h, pos);
+            let (o_c, c_w, c_z) = attend(q, &caches[g], data.scale);
+            let (o_f, f_w, f_z) = attend(q, &full[g], data.scale);
+            let m = step_metrics(&o_c, &o_f, &caches[g], &c_w, c_z, &f_w, f_z);
+            for (s, x) in sums[h].iter_mut().zip([m.0, m.1, m.2, m.3]) {
+                *s += x;
+            }
+            probs[h] = c_w.iter().map(|w| (w / c_z) as f32).collect();
+        }
+        let sctx = StepCtx {
+            layer: data.layer,
+            pos,
+            budget: b,
+            group,
+            probs: &probs,
+        };
+        state.step(&sctx, &mut caches);
+    }
+    let steps = (t - p) as f64;
+    let metrics = (0..nh)
+        .map(|h| HeadMetrics {
+            layer: data.layer,
+            head: h,
+            rel_l2: sums[h][0] / steps,
+            cosine: sums[h][1] / steps,
+            attn_mass: sums[h][2] / steps,
+            kl: sums[h][3] / steps,
+            bytes: caches[h / group].bytes(),
+        })
+        .collect();
+    let mut retained = Vec::new();
+    for (g, c) in caches.iter().enumerate() {
+        for (e, m) in c.members.iter().enumerate() {
+            for &pos in m.iter().filter(|&&x| (x as usize) < p) {
+                retained.push(Retained {
+                    layer: data.layer,
+                    head: g,
+                    position: pos as usize,
+                    entry: e,
+                });
+            }
+        }
+    }
+    let full_bytes = nkv as u64 * t as u64 * HeadCache::exact_bits(d) / 8;
+    Ok(LayerResult {
+        metrics,
+        retained,
+        bytes: caches.iter().map(|c| c.bytes()).sum(),
+        full_bytes,
+    })
+}
+
+/// Replay `policy` on every layer of `trace` (layers in parallel; results
+/// do not depend on the thread count).
+pub fn replay(
+    trace: &Trace,
+    policy: &dyn Policy,
+    budget: Budget,
+) -> Result<ReplayResult, ReplayError> {
+    let m = &trace.manifest;
+    if m.generation.n_decode == 0 {
+        return Err(ReplayError::TraceLacks {
+            path: trace.dir().display().to_string(),
+            msg: "has no decode tokens, so there are no decode queries to replay; capture it with --decode N (N >= 1)".into(),
+        });
+    }
+    let b = budget.resolve(m.prompt_len())?;
+    let layers = (0..trace.n_layers())
+        .into_par_iter()
+        .map(|l| replay_layer(&load_layer(trace, l), policy, b))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(ReplayResult { budget: b, layers })
+}

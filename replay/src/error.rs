@@ -1,0 +1,39 @@
+/// Errors of the replay stage; each says what is wrong and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("unknown policy `{name}`; run `kvreplay policies` to list them (known: {known})")]
+    UnknownPolicy { name: String, known: String },
+    #[error("policy `{policy}`: unknown parameter `{key}` (valid: {valid})")]
+    UnknownParam {
+        policy: String,
+        key: String,
+        valid: String,
+    },
+    #[error("policy `{policy}`: parameter `{key}` = `{value}`: {msg}")]
+    BadParam {
+        policy: String,
+        key: String,
+        value: String,
+        msg: String,
+    },
+    #[error("policy spec `{spec}`: {msg}")]
+    BadSpec { spec: String, msg: String },
+    #[error("budget: {0}")]
+    BadBudget(String),
+    #[error("trace {path}: {msg}")]
+    TraceLacks { path: String, msg: String },
+    #[error(transparent)]
+    Trace(#[from] kvreplay_traces::TraceError),
+    #[error("{path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: writing CSV: {source}")]
+    Csv {
+        path: std::path::PathBuf,
+        #[source]
+        source: csv::Error,
+    },
+}

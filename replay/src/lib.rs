@@ -1,0 +1,22 @@
+//! Replay: apply a compression policy to a trace without rerunning the model.
+//!
+//! For every layer and KV head the policy builds the compressed cache at the
+//! end of prefill (and may act again at each decode step); the engine replays
+//! the captured decode queries over it and measures output error, retention
+//! and memory against the full cache. Semantics: `replay/SEMANTICS.md`.
+//!
+//! Invariant: replay never loads a model; everything comes from the trace.
+
+pub mod cache;
+pub mod engine;
+mod error;
+pub mod output;
+pub mod policies;
+pub mod policy;
+pub mod spec;
+
+pub use cache::HeadCache;
+pub use engine::{replay, replay_layer, Budget, HeadMetrics, ReplayResult, Retained};
+pub use error::ReplayError;
+pub use policies::{PolicyInfo, REGISTRY};
+pub use spec::PolicySpec;

@@ -1,0 +1,201 @@
+//! KIVI-style quantisation, standalone (`quant`, on the full cache) or
+//! composed onto any policy (`snapkv+quant:bits=4`).
+//!
+//! Rule (KIVI, Liu et al. 2024; jy-yuan/KIVI): asymmetric min-max per group
+//! (scale = (max − min)/(2^b − 1), zero point = min, round, clamp; scale and
+//! min stored in f16). Keys per channel: groups of `group` consecutive entries
+//! along the token axis, quantised in whole chunks of `residual` entries, so
+//! the newest n mod residual keys stay f16. Values per token: groups of
+//! `group` channels; the newest `residual` values stay f16 and one more is
+//! quantised each step. Entries hold the dequantised vectors; their cost is
+//! the real one: b bits per element plus 2·16 bits of scale and min per group
+//! (charged to a key group's first entry).
+
+use std::sync::Arc;
+
+use super::PolicyInfo;
+use crate::cache::{HeadCache, F16_BITS};
+use crate::policy::{DecodeState, Policy, PrefillCtx, StepCtx};
+use crate::spec::{Kind, ParamInfo};
+use crate::ReplayError;
+
+pub static INFO: PolicyInfo = PolicyInfo {
+    name: "quant",
+    summary: "KIVI-style quantisation: keys per channel, values per token, f16 recent window; composes with any policy (`X+quant`)",
+    paper: "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache (Liu et al., ICML 2024, arXiv 2402.02750); jy-yuan/KIVI",
+    params: &[
+        ParamInfo { name: "bits", default: "4", kind: Kind::Choice(&["2", "4", "8"]), help: "bits per element" },
+        ParamInfo { name: "group", default: "32", kind: Kind::Int, help: "group size: entries per key group, channels per value group" },
+        ParamInfo { name: "residual", default: "32", kind: Kind::Int, help: "newest entries kept in f16 (keys: in whole chunks)" },
+    ],
+    wrapper: true,
+    build: |p, inner| {
+        let group = p.int("group")?;
+        if group == 0 {
+            return Err(ReplayError::BadParam { policy: "quant".into(), key: "group".into(), value: "0".into(), msg: "must be at least 1".into() });
+        }
+        let residual = p.int("residual")?.max(1);
+        let base = inner.unwrap_or_else(|| Arc::new(super::full::Full));
+        Ok(Arc::new(Quant { base, bits: p.word("bits").parse().expect("validated"), group, residual }))
+    },
+};
+
+pub struct Quant {
+    pub base: Arc<dyn Policy>,
+    pub bits: u32,
+    pub group: usize,
+    pub residual: usize,
+}
+
+/// Quantise-dequantise `x` in place as one group; returns nothing (cost is
+/// accounted by the caller).
+pub fn fake_quant(x: &mut [f32], bits: u32) {
+    let levels = ((1u32 << bits) - 1) as f32;
+    let mn = x.iter().fold(f32::INFINITY, |m, v| m.min(*v));
+    let mx = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+    let scale = half::f16::from_f32((mx - mn) / levels).to_f32();
+    let zero = half::f16::from_f32(mn).to_f32();
+    for v in x.iter_mut() {
+        *v = if scale > 0.0 {
+            ((*v - zero) / scale).round().clamp(0.0, levels) * scale + zero
+        } else {
+            zero
+        };
+    }
+}
+
+#[derive(Clone, Copy, Default)]
+struct Flags {
+    k: bool,
+    v: bool,
+}
+
+struct QState {
+    inner: Box<dyn DecodeState>,
+    cfg: (u32, usize, usize),
+    /// Per KV head, per entry: which halves are quantised.
+    flags: Vec<Vec<Flags>>,
+}
+
+impl Quant {
+    /// Quantise what the rule says must be quantised now.
+    fn settle(&self, c: &mut HeadCache, flags: &mut [Flags]) {
+        let d = c.d;
+        let (b, g) = (self.bits as u64, self.group);
+        let n = c.len();
+        // Keys: the unquantised tail, in whole chunks of `residual`.
+        let first_fp = flags.iter().position(|f| !f.k).unwrap_or(n);
+        let tail = n - first_fp;
+        let chunk = tail / self.residual * self.residual;
+        let mut start = first_fp;
+        while start < first_fp + chunk {
+            let end = (start + g).min(first_fp + chunk);
+            for ch in 0..d {
+                let mut col: Vec<f32> = (start..end).map(|e| c.keys[e * d + ch]).collect();
+                fake_quant(&mut col, self.bits);
+                for (i, e) in (start..end).enumerate() {
+                    c.keys[e * d + ch] = col[i];
+                }
+            }
+            for (i, e) in (start..end).enumerate() {
+                flags[e].k = true;
+                let overhead = if i == 0 { 2 * F16_BITS * d as u64 } else { 0 };
+                c.bits[e] = c.bits[e] - d as u64 * F16_BITS + b * d as u64 + overhead;
+            }
+            start = end;
+        }
+        // Values: all but the newest `residual`, per token in groups of `group` channels.
+        for e in 0..n.saturating_sub(self.residual) {
+            if flags[e].v {
+                continue;
+            }
+            for chunk in c.value_mut(e).chunks_mut(g) {
+                fake_quant(chunk, self.bits);
+            }
+            flags[e].v = true;
+            let groups = d.div_ceil(g) as u64;
+            c.bits[e] = c.bits[e] - d as u64 * F16_BITS + b * d as u64 + 2 * F16_BITS * groups;
+        }
+    }
+}
+
+impl Policy for Quant {
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+        let (mut caches, inner) = self.base.prefill(ctx)?;
+        let mut flags = Vec::new();
+        for c in caches.iter_mut() {
+            let mut f = vec![Flags::default(); c.len()];
+            self.settle(c, &mut f);
+            flags.push(f);
+        }
+        Ok((
+            caches,
+            Box::new(QState {
+                inner,
+                cfg: (self.bits, self.group, self.residual),
+                flags,
+            }),
+        ))
+    }
+}
+
+impl DecodeState for QState {
+    fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
+        // Track which entries the base keeps: positions identify entries.
+        let before: Vec<Vec<(u32, Flags)>> = caches
+            .iter()
+            .zip(&self.flags)
+            .map(|(c, f)| {
+                let mut v: Vec<(u32, Flags)> = c.members[..f.len()]
+                    .iter()
+                    .map(|m| m[0])
+                    .zip(f.iter().copied())
+                    .collect();
+                v.push((c.members[c.len() - 1][0], Flags::default())); // the step's new entry
+                v
+            })
+            .collect();
+        self.inner.step(ctx, caches);
+        let q = Quant {
+            base: Arc::new(super::full::Full),
+            bits: self.cfg.0,
+            group: self.cfg.1,
+            residual: self.cfg.2,
+        };
+        for (g, c) in caches.iter_mut().enumerate() {
+            let mut f: Vec<Flags> = c
+                .members
+                .iter()
+                .map(|m| {
+                    before[g]
+                        .iter()
+                        .find(|(p, _)| *p == m[0])
+                        .map(|x| x.1)
+                        .unwrap_or_default()
+                })
+                .collect();
+            q.settle(c, &mut f);
+            self.flags[g] = f;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fake_quant_known_values() {
+        // 2 bits over [0, 3]: scale 1, levels 0..3 -> exact integers survive
+        let mut x = vec![0.0, 1.0, 2.0, 3.0, 1.4, 2.6];
+        fake_quant(&mut x, 2);
+        assert_eq!(x, vec![0.0, 1.0, 2.0, 3.0, 1.0, 3.0]);
+        // constant group: scale 0 -> every value is the min
+        let mut c = vec![0.5; 4];
+        fake_quant(&mut c, 4);
+        assert_eq!(c, vec![0.5; 4]);
+    }
+}

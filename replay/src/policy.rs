@@ -1,0 +1,331 @@
+//! The causal policy interface and the selection helpers policies share.
+//!
+//! A policy sees, at the end of prefill, only the prompt of one layer (its
+//! q/k/v and prompt attention statistics) through [`PrefillCtx`], and returns
+//! each KV head's compressed cache plus a [`DecodeState`]. At each decode
+//! step the engine appends the step's exact entry, runs attention, and hands
+//! the state only that step's attention ([`StepCtx`]). No view reaches a
+//! future position, so the same code can drive a live model step by step.
+
+use std::ops::Range;
+
+use crate::cache::HeadCache;
+use crate::ReplayError;
+
+/// One layer of a trace as f32, all positions. Only the engine reads it
+/// directly; policies see prompt-only views through `PrefillCtx`.
+pub struct LayerData {
+    pub layer: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub d: usize,
+    pub scale: f32,
+    pub prompt_len: usize,
+    pub total_len: usize,
+    /// (n_heads, T, d)
+    pub q: Vec<f32>,
+    /// (n_kv_heads, T, d)
+    pub k: Vec<f32>,
+    /// (n_kv_heads, T, d)
+    pub v: Vec<f32>,
+    /// (n_heads, P) attention each prompt key received from all prompt queries
+    pub colsum: Vec<f32>,
+}
+
+impl LayerData {
+    pub fn group(&self) -> usize {
+        self.n_heads / self.n_kv_heads
+    }
+    pub fn q_row(&self, h: usize, t: usize) -> &[f32] {
+        let (tt, d) = (self.total_len, self.d);
+        &self.q[(h * tt + t) * d..(h * tt + t + 1) * d]
+    }
+    pub fn k_row(&self, g: usize, t: usize) -> &[f32] {
+        let (tt, d) = (self.total_len, self.d);
+        &self.k[(g * tt + t) * d..(g * tt + t + 1) * d]
+    }
+    pub fn v_row(&self, g: usize, t: usize) -> &[f32] {
+        let (tt, d) = (self.total_len, self.d);
+        &self.v[(g * tt + t) * d..(g * tt + t + 1) * d]
+    }
+}
+
+/// What a policy may see at the end of prefill: the prompt of one layer.
+pub struct PrefillCtx<'a> {
+    data: &'a LayerData,
+    /// B: entries to keep per KV head (the policy may redistribute it).
+    pub budget: usize,
+}
+
+impl<'a> PrefillCtx<'a> {
+    /// Built by the engine; public so tests and embedders can drive a policy directly.
+    pub fn new(data: &'a LayerData, budget: usize) -> Self {
+        PrefillCtx { data, budget }
+    }
+    pub fn layer(&self) -> usize {
+        self.data.layer
+    }
+    pub fn n_layers(&self) -> usize {
+        self.data.n_layers
+    }
+    pub fn n_heads(&self) -> usize {
+        self.data.n_heads
+    }
+    pub fn n_kv_heads(&self) -> usize {
+        self.data.n_kv_heads
+    }
+    /// Query heads per KV head.
+    pub fn group(&self) -> usize {
+        self.data.group()
+    }
+    pub fn head_dim(&self) -> usize {
+        self.data.d
+    }
+    /// P: prompt length.
+    pub fn prompt_len(&self) -> usize {
+        self.data.prompt_len
+    }
+    /// Post-RoPE key of prompt position `i < P` in KV head `g`.
+    pub fn key(&self, g: usize, i: usize) -> &[f32] {
+        assert!(
+            i < self.data.prompt_len,
+            "policy asked for key {i} beyond the prompt"
+        );
+        self.data.k_row(g, i)
+    }
+    /// Attention each prompt key received from all prompt queries of query head `h`: (P,).
+    pub fn colsum(&self, h: usize) -> &[f32] {
+        let p = self.data.prompt_len;
+        &self.data.colsum[h * p..(h + 1) * p]
+    }
+    /// Causal attention rows of prompt queries `rows` (within 0..P) of query head
+    /// `h` over the prompt keys: (rows.len(), P), zero above the diagonal;
+    /// softmax in f32 after an f64 sum, as the capture computed it.
+    pub fn attn_rows(&self, h: usize, rows: Range<usize>) -> Vec<f32> {
+        let p = self.data.prompt_len;
+        assert!(
+            rows.end <= p,
+            "policy asked for attention rows beyond the prompt"
+        );
+        let g = h / self.data.group();
+        let mut out = vec![0f32; rows.len() * p];
+        for (r, j) in rows.enumerate() {
+            let row = &mut out[r * p..r * p + j + 1];
+            let q = self.data.q_row(h, j);
+            for (i, x) in row.iter_mut().enumerate() {
+                *x = dot(q, self.data.k_row(g, i)) * self.data.scale;
+            }
+            softmax_in_place(row);
+        }
+        out
+    }
+    /// The exact entries of `positions` (ascending, < P) of KV head `g`.
+    pub fn exact_cache(&self, g: usize, positions: &[usize]) -> HeadCache {
+        let mut c = HeadCache::new(self.data.d);
+        for &i in positions {
+            assert!(i < self.data.prompt_len);
+            c.push_exact(i, self.data.k_row(g, i), self.data.v_row(g, i));
+        }
+        c
+    }
+    /// Every prompt entry of KV head `g`, uncompressed.
+    pub fn full_cache(&self, g: usize) -> HeadCache {
+        self.exact_cache(g, &(0..self.data.prompt_len).collect::<Vec<_>>())
+    }
+    /// Every KV head uncompressed (what a policy returns when P <= B).
+    pub fn full_caches(&self) -> Vec<HeadCache> {
+        (0..self.n_kv_heads()).map(|g| self.full_cache(g)).collect()
+    }
+}
+
+/// What a decode-time policy sees after decode step `pos`: the attention of
+/// that step's queries over the current caches (the new entry is the last).
+pub struct StepCtx<'a> {
+    pub layer: usize,
+    pub pos: usize,
+    pub budget: usize,
+    pub group: usize,
+    /// Per query head, probabilities over the entries of its KV head's cache.
+    pub probs: &'a [Vec<f32>],
+}
+
+impl StepCtx<'_> {
+    /// Group mean of the step's attention for KV head `g`.
+    pub fn group_mean(&self, g: usize) -> Vec<f32> {
+        let heads = &self.probs[g * self.group..(g + 1) * self.group];
+        mean_rows(heads.iter().map(|v| v.as_slice()))
+    }
+}
+
+/// A compression policy. `prefill` must be causal (it only gets a `PrefillCtx`).
+pub trait Policy: Send + Sync {
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError>;
+}
+
+/// Per-layer state of a policy during decode.
+pub trait DecodeState: Send {
+    /// Called after each decode step's attention; may evict or merge entries.
+    fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]);
+}
+
+/// Decode-time no-op: decode entries are appended on top of the prompt budget.
+pub struct AppendOnly;
+impl DecodeState for AppendOnly {
+    fn step(&mut self, _: &StepCtx, _: &mut [HeadCache]) {}
+}
+
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Max-shifted softmax in place (f64 normaliser).
+pub fn softmax_in_place(x: &mut [f32]) {
+    let mx = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+    let mut z = 0f64;
+    for v in x.iter_mut() {
+        *v = (*v - mx).exp();
+        z += *v as f64;
+    }
+    let inv = (1.0 / z) as f32;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// Element-wise mean of equally long rows, summed in row order.
+pub fn mean_rows<'a>(rows: impl Iterator<Item = &'a [f32]>) -> Vec<f32> {
+    let mut out: Vec<f32> = Vec::new();
+    let mut n = 0;
+    for r in rows {
+        if out.is_empty() {
+            out = r.to_vec();
+        } else {
+            out.iter_mut().zip(r).for_each(|(a, b)| *a += b);
+        }
+        n += 1;
+    }
+    out.iter_mut().for_each(|a| *a /= n as f32);
+    out
+}
+
+/// Indices of the `k` best of `candidates` by (score descending, position
+/// descending), returned ascending. `pos` maps a candidate to its position.
+pub fn top_k(
+    scores: &[f32],
+    candidates: &[usize],
+    k: usize,
+    pos: impl Fn(usize) -> usize,
+) -> Vec<usize> {
+    let mut c = candidates.to_vec();
+    c.sort_by(|&a, &b| {
+        scores[b]
+            .partial_cmp(&scores[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(pos(b).cmp(&pos(a)))
+    });
+    c.truncate(k);
+    c.sort_unstable();
+    c
+}
+
+/// The victim among `candidates`: lowest score, earliest position on ties.
+pub fn victim(
+    scores: &[f32],
+    candidates: impl Iterator<Item = usize>,
+    pos: impl Fn(usize) -> usize,
+) -> Option<usize> {
+    candidates.min_by(|&a, &b| {
+        scores[a]
+            .partial_cmp(&scores[b])
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(pos(a).cmp(&pos(b)))
+    })
+}
+
+/// 1-D pooling along positions, kernel `k` (odd), stride 1, padding k/2.
+/// Max ignores the padding; average counts the zero padding (divides by k), as PyTorch does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pool {
+    Max,
+    Avg,
+    None,
+}
+
+pub fn pool1d(x: &[f32], k: usize, pool: Pool) -> Vec<f32> {
+    let h = k / 2;
+    let n = x.len();
+    (0..n)
+        .map(|i| {
+            let w = &x[i.saturating_sub(h)..(i + h + 1).min(n)];
+            match pool {
+                Pool::Max => w.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v)),
+                Pool::Avg => w.iter().sum::<f32>() / k as f32,
+                Pool::None => x[i],
+            }
+        })
+        .collect()
+}
+
+/// SplitMix64: a tiny, stable, seedable generator (results never change with
+/// a dependency upgrade).
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    /// A generator for (seed, layer, head), independent of scheduling.
+    pub fn for_head(seed: u64, layer: usize, head: usize) -> Self {
+        let mut s = SplitMix64(seed ^ 0x9E37_79B9_7F4A_7C15);
+        let a = s.next_u64() ^ (layer as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        let mut s = SplitMix64(a);
+        SplitMix64(s.next_u64() ^ (head as u64).wrapping_mul(0x94D0_49BB_1331_11EB))
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Uniform in 0..n.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_f64() * n as f64) as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_breaks_ties_towards_later_positions() {
+        let s = [1.0, 3.0, 3.0, 2.0, 3.0];
+        let all: Vec<usize> = (0..5).collect();
+        assert_eq!(top_k(&s, &all, 2, |i| i), vec![2, 4]);
+        assert_eq!(top_k(&s, &all, 4, |i| i), vec![1, 2, 3, 4]);
+        assert_eq!(victim(&[2.0, 1.0, 1.0], 0..3, |i| i), Some(1));
+    }
+
+    #[test]
+    fn pooling_edges() {
+        let x = [1.0, 5.0, 2.0, 0.0, 4.0];
+        assert_eq!(pool1d(&x, 3, Pool::Max), vec![5.0, 5.0, 5.0, 4.0, 4.0]);
+        // avg counts zero padding: first = (0 + 1 + 5) / 3
+        let a = pool1d(&x, 3, Pool::Avg);
+        assert_eq!(a[0], 2.0);
+        assert_eq!(a[2], 7.0 / 3.0);
+        assert_eq!(a[4], 4.0 / 3.0);
+    }
+
+    #[test]
+    fn splitmix_is_stable() {
+        // Published first outputs of SplitMix64 with seed 0.
+        let mut r = SplitMix64(0);
+        assert_eq!(r.next_u64(), 0xE220A8397B1DCDAF);
+        assert_eq!(r.next_u64(), 0x6E789E6AA1B965F4);
+    }
+}

@@ -1,0 +1,227 @@
+//! Hand-built layers and traces for replay tests.
+#![allow(dead_code)]
+
+use kvreplay_replay::policy::LayerData;
+use kvreplay_traces::*;
+use std::path::{Path, PathBuf};
+
+/// A layer whose attention is easy to reason about: head_dim 2, scale 1,
+/// every query (1, 0), key i = (s[g][i], 0) in KV head g, so the logit of key i
+/// is s[g][i] for every query, and value i = (i, 1). Column sums are computed
+/// exactly (causal softmax over the prompt). `group` query heads per KV head.
+pub fn simple_layer(
+    s: &[Vec<f32>],
+    group: usize,
+    prompt_len: usize,
+    layer: usize,
+    n_layers: usize,
+) -> LayerData {
+    let nkv = s.len();
+    let t = s[0].len();
+    let d = 2;
+    let nh = nkv * group;
+    let mut q = Vec::new();
+    for _ in 0..nh * t {
+        q.extend_from_slice(&[1.0, 0.0]);
+    }
+    let mut k = Vec::new();
+    let mut v = Vec::new();
+    for sg in s {
+        for (i, x) in sg.iter().enumerate() {
+            k.extend_from_slice(&[*x, 0.0]);
+            v.extend_from_slice(&[i as f32, 1.0]);
+        }
+    }
+    let mut colsum = vec![0f32; nh * prompt_len];
+    for h in 0..nh {
+        let sg = &s[h / group];
+        for j in 0..prompt_len {
+            let z: f64 = (0..=j).map(|i| (sg[i] as f64).exp()).sum();
+            for i in 0..=j {
+                colsum[h * prompt_len + i] += ((sg[i] as f64).exp() / z) as f32;
+            }
+        }
+    }
+    LayerData {
+        layer,
+        n_layers,
+        n_heads: nh,
+        n_kv_heads: nkv,
+        d,
+        scale: 1.0,
+        prompt_len,
+        total_len: t,
+        q,
+        k,
+        v,
+        colsum,
+    }
+}
+
+/// A pseudo-random layer (heads, KV heads, d) with attention sinks at
+/// position 0 and a few heavy hitters, for invariant tests.
+pub fn random_layer(seed: u64, nh: usize, nkv: usize, d: usize, p: usize, t: usize) -> LayerData {
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut rnd = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        ((x >> 11) as f64 / (1u64 << 53) as f64) as f32 * 2.0 - 1.0
+    };
+    let q: Vec<f32> = (0..nh * t * d).map(|_| rnd()).collect();
+    let mut k: Vec<f32> = (0..nkv * t * d).map(|_| rnd()).collect();
+    let v: Vec<f32> = (0..nkv * t * d).map(|_| rnd()).collect();
+    for g in 0..nkv {
+        for i in [0usize, p / 3, p / 2] {
+            for c in 0..d {
+                k[(g * t + i) * d + c] *= 4.0; // heavier keys
+            }
+        }
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    let group = nh / nkv;
+    let mut colsum = vec![0f32; nh * p];
+    for h in 0..nh {
+        let g = h / group;
+        for j in 0..p {
+            let l: Vec<f64> = (0..=j)
+                .map(|i| {
+                    (0..d)
+                        .map(|c| q[(h * t + j) * d + c] as f64 * k[(g * t + i) * d + c] as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let mx = l.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = l.iter().map(|x| (x - mx).exp()).sum();
+            for i in 0..=j {
+                colsum[h * p + i] += ((l[i] - mx).exp() / z) as f32;
+            }
+        }
+    }
+    LayerData {
+        layer: 0,
+        n_layers: 1,
+        n_heads: nh,
+        n_kv_heads: nkv,
+        d,
+        scale,
+        prompt_len: p,
+        total_len: t,
+        q,
+        k,
+        v,
+        colsum,
+    }
+}
+
+/// Write `layers` as an f32 trace (o recomputed exactly) so the whole
+/// replay path, files included, can be tested.
+pub fn write_trace(dir: &Path, layers: &[LayerData]) -> PathBuf {
+    let l0 = &layers[0];
+    let layout = TraceLayout {
+        n_layers: layers.len(),
+        n_heads: l0.n_heads,
+        n_kv_heads: l0.n_kv_heads,
+        head_dim: l0.d,
+        total_len: l0.total_len,
+        prompt_len: l0.prompt_len,
+        dtype: Dtype::F32,
+        attn_probs: false,
+    };
+    let out = dir.join("hand.kvtrace");
+    let mut w = TraceWriter::create(&out, layout, true).unwrap();
+    let (t, d) = (l0.total_len, l0.d);
+    for (l, data) in layers.iter().enumerate() {
+        let lw = w.layer(l);
+        for g in 0..data.n_kv_heads {
+            lw.write_rows(TensorKind::K, g, 0, &data.k[g * t * d..(g + 1) * t * d]);
+            lw.write_rows(TensorKind::V, g, 0, &data.v[g * t * d..(g + 1) * t * d]);
+        }
+        for h in 0..data.n_heads {
+            lw.write_rows(TensorKind::Q, h, 0, &data.q[h * t * d..(h + 1) * t * d]);
+            let g = h / data.group();
+            for pos in 0..t {
+                let qr = data.q_row(h, pos);
+                let l: Vec<f64> = (0..=pos)
+                    .map(|i| {
+                        data.k_row(g, i)
+                            .iter()
+                            .zip(qr)
+                            .map(|(a, b)| (*a * *b) as f64)
+                            .sum::<f64>()
+                            * data.scale as f64
+                    })
+                    .collect();
+                let mx = l.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = l.iter().map(|x| (x - mx).exp()).sum();
+                let mut o = vec![0f32; d];
+                for i in 0..=pos {
+                    for c in 0..d {
+                        o[c] += ((l[i] - mx).exp() / z) as f32 * data.v_row(g, i)[c];
+                    }
+                }
+                lw.write_rows(TensorKind::O, h, pos, &o);
+            }
+            lw.write_colsum(
+                h,
+                &data.colsum[h * data.prompt_len..(h + 1) * data.prompt_len],
+            );
+        }
+    }
+    let m = Manifest {
+        format: FORMAT_NAME.into(),
+        format_version: FORMAT_VERSION,
+        model: ModelInfo {
+            architecture: "llama".into(),
+            name: None,
+            n_layers: layers.len(),
+            n_heads: l0.n_heads,
+            n_kv_heads: l0.n_kv_heads,
+            head_dim: d,
+            d_model: l0.n_heads * d,
+            ffn_dim: 0,
+            vocab_size: 0,
+            context_length: t,
+            norm_eps: 1e-5,
+            attn_scale: l0.scale as f64,
+            rope: Rope {
+                theta: 10000.0,
+                style: RopeStyle::Neox,
+                rotated_dims: d,
+                scaling: RopeScaling::None,
+            },
+            source: SourceFile {
+                file_name: "hand".into(),
+                sha256: String::new(),
+                size: 0,
+            },
+        },
+        tokens: Tokens {
+            ids: vec![0; t],
+            prompt_len: l0.prompt_len,
+            text: vec![String::new(); t],
+        },
+        generation: Generation {
+            method: "greedy".into(),
+            n_decode: t - l0.prompt_len,
+        },
+        spans: vec![],
+        capture: CaptureInfo {
+            device: "cpu".into(),
+            dtype: Dtype::F32,
+            compute_dtype: "f32".into(),
+            prefill_chunk: 1,
+            threads: 1,
+            attn_probs: false,
+            chat_template: false,
+            prompt_source: "test".into(),
+            kvreplay_version: "test".into(),
+            created: "2026-01-01T00:00:00Z".into(),
+        },
+        files: vec![],
+    };
+    w.finish(m).unwrap()
+}

@@ -1,0 +1,324 @@
+//! Each policy on hand-built layers where the right answer is known, plus the
+//! engine's exactness guarantees.
+
+mod common;
+
+use common::{random_layer, simple_layer};
+use kvreplay_replay::engine::{attend, replay_layer};
+use kvreplay_replay::policy::{LayerData, PrefillCtx, StepCtx};
+use kvreplay_replay::{HeadCache, PolicySpec, REGISTRY};
+
+/// Kept prompt positions per KV head after prefill.
+fn kept(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<usize>> {
+    let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
+    let (caches, _) = policy.prefill(&PrefillCtx::new(data, budget)).unwrap();
+    caches.iter().map(|c| c.positions()).collect()
+}
+
+/// Run prefill and every decode step the way the engine does, returning the
+/// caches after each step (for invariants on decode-time policies).
+fn run_steps(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<HeadCache>> {
+    let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
+    let (mut caches, mut state) = policy.prefill(&PrefillCtx::new(data, budget)).unwrap();
+    let mut out = vec![caches.clone()];
+    for pos in data.prompt_len..data.total_len {
+        for (g, c) in caches.iter_mut().enumerate() {
+            c.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
+        }
+        let probs: Vec<Vec<f32>> = (0..data.n_heads)
+            .map(|h| {
+                let (_, w, z) = attend(data.q_row(h, pos), &caches[h / data.group()], data.scale);
+                w.iter().map(|x| (x / z) as f32).collect()
+            })
+            .collect();
+        let ctx = StepCtx {
+            layer: data.layer,
+            pos,
+            budget,
+            group: data.group(),
+            probs: &probs,
+        };
+        state.step(&ctx, &mut caches);
+        out.push(caches.clone());
+    }
+    out
+}
+
+#[test]
+fn streaming_llm_keeps_sinks_and_recent_and_evicts_oldest_non_sink() {
+    let data = simple_layer(&[vec![0.0; 12]], 1, 10, 0, 1);
+    assert_eq!(
+        kept("streaming_llm:n_sink=2", &data, 6),
+        vec![vec![0, 1, 6, 7, 8, 9]]
+    );
+    let steps = run_steps("streaming_llm:n_sink=2", &data, 6);
+    assert_eq!(steps[1][0].positions(), vec![0, 1, 7, 8, 9, 10]);
+    assert_eq!(steps[2][0].positions(), vec![0, 1, 8, 9, 10, 11]);
+    // prefill-only form appends decode entries on top
+    let steps = run_steps("streaming_llm:n_sink=2,decode_evict=false", &data, 6);
+    assert_eq!(steps[2][0].positions(), vec![0, 1, 6, 7, 8, 9, 10, 11]);
+}
+
+#[test]
+fn h2o_uses_the_group_mean_and_prefers_later_positions_on_ties() {
+    // Two query heads share one KV head. Group mean of the column sums:
+    // [5, 1, 1, 2, 2, 1, 1, 1]. B = 4 -> r = 2 recent {6, 7}; the heavy 2 of
+    // 0..6 are position 0 and, of the tie at 2.0 between 3 and 4, position 4.
+    let mut data = simple_layer(&[vec![0.0; 9]], 2, 8, 0, 1);
+    data.colsum = [
+        [5.0, 1.0, 1.0, 4.0, 1.0, 1.0, 1.0, 1.0],
+        [5.0, 1.0, 1.0, 0.0, 3.0, 1.0, 1.0, 1.0],
+    ]
+    .concat();
+    assert_eq!(kept("h2o", &data, 4), vec![vec![0, 4, 6, 7]]);
+    assert_eq!(kept("h2o:recent=1", &data, 4), vec![vec![0, 3, 4, 7]]);
+}
+
+#[test]
+fn h2o_decode_evicts_the_lowest_accumulated_score_outside_the_window() {
+    // Keys give logits [0, -5, -5, 0, 0]; prompt column sums set to [3, .1, .2, 1].
+    // Prefill (B = 3, recent = 1): {3} + top 2 of {0, 1, 2} = {0, 2, 3}, scores (3, .2, 1).
+    // Step 4 attends over {0, 2, 3, 4} with probabilities ~(.33, .002, .33, .33):
+    // scores become (3.33, .202, 1.33, .33) -> position 2 is the victim.
+    let mut data = simple_layer(&[vec![0.0, -5.0, -5.0, 0.0, 0.0]], 1, 4, 0, 1);
+    data.colsum = vec![3.0, 0.1, 0.2, 1.0];
+    let steps = run_steps("h2o:recent=1", &data, 3);
+    assert_eq!(steps[0][0].positions(), vec![0, 2, 3]);
+    assert_eq!(steps[1][0].positions(), vec![0, 3, 4]);
+}
+
+#[test]
+fn snapkv_pools_window_votes_and_breaks_ties_late() {
+    // P = 12, w = 4: candidates 0..8. Key 4 has logit 5, every other 0, so the
+    // window votes are equal except at 4. Max pooling (k = 3) spreads the peak to
+    // 3, 4, 5; the tie goes to the later positions: {4, 5} + window 8..12.
+    let mut s = vec![0.0f32; 13];
+    s[4] = 5.0;
+    let data = simple_layer(&[s], 1, 12, 0, 1);
+    assert_eq!(
+        kept("snapkv:w=4,k=3", &data, 6),
+        vec![vec![4, 5, 8, 9, 10, 11]]
+    );
+    // without pooling the second pick is the latest of the equal rest: 7
+    assert_eq!(
+        kept("snapkv:w=4,k=3,pool=none", &data, 6),
+        vec![vec![4, 7, 8, 9, 10, 11]]
+    );
+    // B <= w (our choice): the B most recent positions
+    assert_eq!(kept("snapkv:w=4", &data, 3), vec![vec![9, 10, 11]]);
+}
+
+#[test]
+fn tova_scores_with_the_mean_over_all_heads_of_the_layer() {
+    // Last prompt row: KV head 0 peaks at 1 (p ≈ .78), KV head 1 at 2 (p ≈ .81);
+    // both give position 4 about .1. Layer mean: p2 ≈ .425 > p1 ≈ .406 > p4 ≈ .098.
+    let data = simple_layer(
+        &[
+            vec![0.0, 3.0, 0.0, 0.0, 1.0, 0.0],
+            vec![0.0, 0.0, 3.2, 0.0, 1.0, 0.0],
+        ],
+        1,
+        5,
+        0,
+        1,
+    );
+    assert_eq!(kept("tova", &data, 2), vec![vec![1, 2], vec![1, 2]]);
+    assert_eq!(
+        kept("tova:per_kv_head=true", &data, 2),
+        vec![vec![1, 4], vec![2, 4]]
+    );
+}
+
+#[test]
+fn knorm_keeps_the_smallest_keys_and_skips_layers() {
+    // key i = (s_i, 0): norms 0.5, 3, 1, 0.2, 2
+    let data = simple_layer(&[vec![0.5, -3.0, 1.0, 0.2, 2.0, 0.0]], 1, 5, 2, 4);
+    assert_eq!(kept("knorm", &data, 2), vec![vec![0, 3]]);
+    let data0 = simple_layer(&[vec![0.5, -3.0, 1.0, 0.2, 2.0, 0.0]], 1, 5, 0, 4);
+    assert_eq!(
+        kept("knorm", &data0, 2),
+        vec![vec![0, 1, 2, 3, 4]],
+        "layer 0 is skipped by default"
+    );
+    assert_eq!(kept("knorm:skip_layers=none", &data0, 2), vec![vec![0, 3]]);
+}
+
+#[test]
+fn scissorhands_counts_pivotal_rows() {
+    // Logits [2, 0, 0, 2, 0, 0], uniform threshold 1/6 (masked zeros counted):
+    // position 0 is pivotal in all 6 rows, position 3 in rows 3..6, no other ever.
+    // r = 1 keeps 5; the top 2 counts are 0 (6) and 3 (3).
+    let data = simple_layer(&[vec![2.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0]], 1, 6, 0, 1);
+    assert_eq!(
+        kept("scissorhands:w_h=6,r=1,threshold=uniform", &data, 3),
+        vec![vec![0, 3, 5]]
+    );
+}
+
+#[test]
+fn cam_merges_evicted_values_forward_with_the_gate() {
+    // n_sink 1, m 2, P 5, B 3: keep {0, 3, 4}; evict 1 then 2. Values v_i = (i, 1).
+    // Ā = [1, .1, .2, .2, .1]. e = 1: W = {2, 3}, gate .1/.2 = .5 -> v2, v3 += .25·v1.
+    // e = 2: W = {3, 4}, gate .2/.15 -> 1 -> v3, v4 += v2'/2 with v2' = (2.25, 1.25).
+    let mut data = simple_layer(&[vec![0.0; 6]], 1, 5, 0, 1);
+    data.colsum = vec![1.0, 0.1, 0.2, 0.2, 0.1];
+    let policy = PolicySpec::parse("cam:n_sink=1,m=2,expected=true")
+        .unwrap()
+        .build()
+        .unwrap();
+    let (caches, _) = policy.prefill(&PrefillCtx::new(&data, 3)).unwrap();
+    let c = &caches[0];
+    assert_eq!(c.positions(), vec![0, 3, 4]);
+    let close = |a: &[f32], b: [f32; 2]| (a[0] - b[0]).abs() < 1e-6 && (a[1] - b[1]).abs() < 1e-6;
+    assert!(close(c.value(0), [0.0, 1.0]), "{:?}", c.value(0));
+    assert!(close(c.value(1), [4.375, 1.875]), "{:?}", c.value(1));
+    assert!(close(c.value(2), [5.125, 1.625]), "{:?}", c.value(2));
+    assert_eq!(c.key(1), &[0.0, 0.0], "keys are never changed");
+}
+
+#[test]
+fn quant_charges_real_bits() {
+    // d = 8, group 4, residual 4, 4 bits, P = 10 entries on the full cache:
+    // keys: 8 quantised in two groups of 4 (32 bits each + 2·16·8 scale/min bits
+    // on each group's first entry), the newest 2 stay f16 (128 bits);
+    // values: the oldest 6 quantised per token (32 bits + 2 groups · 32 bits),
+    // the newest 4 f16 (128 bits).
+    let data = random_layer(7, 2, 1, 8, 10, 12);
+    let policy = PolicySpec::parse("quant:bits=4,group=4,residual=4")
+        .unwrap()
+        .build()
+        .unwrap();
+    let (caches, _) = policy.prefill(&PrefillCtx::new(&data, 100)).unwrap();
+    let keys = 8 * 32 + 2 * 256 + 2 * 128;
+    let values = 6 * 96 + 4 * 128;
+    assert_eq!(caches[0].total_bits(), keys + values);
+    // the f16 tail is untouched; quantised keys moved
+    assert_eq!(caches[0].key(9), data.k_row(0, 9));
+    assert_ne!(caches[0].key(0), data.k_row(0, 0));
+}
+
+/// `full` is exact: zero error, full attention mass, zero KL, every byte.
+#[test]
+fn full_has_zero_error_and_full_bytes() {
+    let data = random_layer(3, 4, 2, 8, 30, 36);
+    let p = PolicySpec::parse("full").unwrap().build().unwrap();
+    let r = replay_layer(&data, p.as_ref(), 5).unwrap();
+    for m in &r.metrics {
+        assert_eq!((m.rel_l2, m.kl, m.attn_mass), (0.0, 0.0, 1.0), "{m:?}");
+    }
+    assert_eq!(r.bytes, r.full_bytes);
+    assert_eq!(r.full_bytes, 2 * 36 * 2 * 8 * 2);
+}
+
+/// Every policy (every eviction, merging and allocation rule) equals `full`
+/// when its budget covers the whole trace; prefill-only forms already when it
+/// covers the prompt.
+#[test]
+fn every_policy_at_a_covering_budget_equals_full() {
+    let data = random_layer(5, 4, 2, 8, 40, 46);
+    for info in REGISTRY.iter().filter(|i| i.name != "quant") {
+        let p = PolicySpec::parse(info.name).unwrap().build().unwrap();
+        let r = replay_layer(&data, p.as_ref(), 46).unwrap();
+        for m in &r.metrics {
+            assert_eq!(
+                (m.rel_l2, m.kl, m.attn_mass),
+                (0.0, 0.0, 1.0),
+                "{} at B = T: {m:?}",
+                info.name
+            );
+        }
+        assert_eq!(r.bytes, r.full_bytes, "{}", info.name);
+    }
+    for spec in [
+        "random",
+        "snapkv",
+        "pyramidkv",
+        "adakv",
+        "knorm",
+        "h2o:decode_evict=false",
+        "tova:decode_evict=false",
+        "streaming_llm:decode_evict=false",
+        "scissorhands:decode_evict=false",
+    ] {
+        let p = PolicySpec::parse(spec).unwrap().build().unwrap();
+        let r = replay_layer(&data, p.as_ref(), 40).unwrap();
+        assert!(r.metrics.iter().all(|m| m.rel_l2 == 0.0), "{spec} at B = P");
+    }
+}
+
+#[test]
+fn errors_grow_as_the_budget_shrinks_on_structured_data() {
+    let data = random_layer(11, 4, 2, 16, 64, 72);
+    for spec in [
+        "streaming_llm",
+        "h2o",
+        "snapkv:w=8",
+        "tova",
+        "knorm:skip_layers=none",
+    ] {
+        let p = PolicySpec::parse(spec).unwrap().build().unwrap();
+        let err = |b| {
+            replay_layer(&data, p.as_ref(), b)
+                .unwrap()
+                .metrics
+                .iter()
+                .map(|m| m.rel_l2)
+                .sum::<f64>()
+        };
+        let (small, large) = (err(12), err(48));
+        assert!(
+            small > large,
+            "{spec}: error at B=12 {small} <= at B=48 {large}"
+        );
+    }
+}
+
+mod invariants {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+        /// Entries never exceed the budget (prefill-only policies: budget plus the
+        /// appended decode entries), protected sinks/windows/recent entries are
+        /// kept, entries stay in position order, and the bytes equal the entries.
+        #[test]
+        fn caches_respect_budgets_and_protections(seed in 0u64..1000, p in 12usize..40, b in 1usize..40) {
+            let t = p + 4;
+            let data = random_layer(seed, 4, 2, 8, p, t);
+            let cases: [(&str, bool, Option<usize>, Option<usize>); 7] = [
+                // (spec, holds B during decode, sinks kept, recent/window kept)
+                ("streaming_llm:n_sink=4", true, Some(4), None),
+                ("h2o", true, None, Some(b / 2)),
+                ("snapkv:w=8", false, None, Some(8)),
+                ("tova", true, None, None),
+                ("knorm:skip_layers=none", false, None, None),
+                ("scissorhands:w_h=20,r=3", true, None, Some(3)),
+                ("cam:n_sink=2,m=4", true, Some(2), None),
+            ];
+            for (spec, decode, sinks, recent) in cases {
+                let steps = run_steps(spec, &data, b);
+                for (i, caches) in steps.iter().enumerate() {
+                    for c in caches {
+                        let bound = if decode { b } else { b.min(p) + i };
+                        prop_assert!(c.len() <= bound, "{spec}: {} entries > {bound} after step {i}", c.len());
+                        let pos = c.positions();
+                        prop_assert!(pos.windows(2).all(|w| w[0] < w[1]), "{spec}: positions out of order {pos:?}");
+                        prop_assert_eq!(c.total_bits(), c.len() as u64 * HeadCache::exact_bits(8));
+                    }
+                }
+                let first = &steps[0];
+                for c in first {
+                    let pos = c.positions();
+                    if let (Some(s), true) = (sinks, p > b) {
+                        for i in 0..s.min(b) { prop_assert!(pos.contains(&i), "{spec}: sink {i} dropped: {pos:?}"); }
+                    }
+                    if let (Some(r), true) = (recent, p > b) {
+                        let r = r.min(b);
+                        for i in p - r..p { prop_assert!(pos.contains(&i), "{spec}: recent {i} dropped: {pos:?}"); }
+                    }
+                }
+            }
+        }
+    }
+}
