@@ -79,6 +79,7 @@ struct QState {
 
 impl Quant {
     /// Quantise what the rule says must be quantised now.
+    #[allow(clippy::needless_range_loop)] // indexes entries of both the cache and the flags
     fn settle(&self, c: &mut HeadCache, flags: &mut [Flags]) {
         let d = c.d;
         let (b, g) = (self.bits as u64, self.group);

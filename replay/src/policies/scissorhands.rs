@@ -86,6 +86,7 @@ fn counts(masks: &[Vec<u128>]) -> Vec<f32> {
 }
 
 impl Policy for Scissorhands {
+    #[allow(clippy::needless_range_loop)] // hh indexes the group's heads in masks and rows alike
     fn prefill(
         &self,
         ctx: &PrefillCtx,

@@ -1,5 +1,5 @@
 //! Hand-built layers and traces for replay tests.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::needless_range_loop)]
 
 use kvreplay_replay::policy::LayerData;
 use kvreplay_traces::*;

@@ -1,0 +1,115 @@
+//! The replay engine through real trace files: determinism, outputs, errors.
+
+mod common;
+
+use common::{random_layer, write_trace};
+use kvreplay_replay::{replay, Budget, PolicySpec, ReplayError};
+use kvreplay_traces::Trace;
+
+fn layers(n: usize, p: usize, t: usize) -> Vec<kvreplay_replay::policy::LayerData> {
+    (0..n)
+        .map(|l| {
+            let mut d = random_layer(100 + l as u64, 4, 2, 8, p, t);
+            d.layer = l;
+            d.n_layers = n;
+            d
+        })
+        .collect()
+}
+
+#[test]
+fn replay_is_bit_identical_for_any_thread_count() {
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = Trace::open(write_trace(tmp.path(), &layers(4, 30, 36))).unwrap();
+    for spec in [
+        "h2o",
+        "snapkv:w=8+quant:bits=2,group=4,residual=4",
+        "cam:m=4",
+        "adakv:w=4",
+    ] {
+        let p = PolicySpec::parse(spec).unwrap().build().unwrap();
+        let run = |threads| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let r = pool
+                .install(|| replay(&trace, p.as_ref(), Budget::Entries(10)))
+                .unwrap();
+            format!("{:?}", r.layers)
+        };
+        let one = run(1);
+        assert_eq!(one, run(2), "{spec}");
+        assert_eq!(one, run(3), "{spec}");
+    }
+}
+
+#[test]
+fn outputs_hold_one_row_per_head_and_per_retained_position() {
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = Trace::open(write_trace(tmp.path(), &layers(2, 20, 24))).unwrap();
+    let spec = PolicySpec::parse("streaming_llm:n_sink=2").unwrap();
+    let r = replay(&trace, spec.build().unwrap().as_ref(), Budget::Ratio(0.5)).unwrap();
+    assert_eq!(r.budget, 10);
+    let s = kvreplay_replay::output::summary(&trace, &spec, Budget::Ratio(0.5), &r);
+    let out = tmp.path().join("out");
+    kvreplay_replay::output::write(&out, &s, &r).unwrap();
+    let metrics = std::fs::read_to_string(out.join("metrics.csv")).unwrap();
+    let lines: Vec<&str> = metrics.lines().collect();
+    assert_eq!(
+        lines[0],
+        "policy,budget,layer,head,rel_l2,cosine,attn_mass,kl,bytes"
+    );
+    assert_eq!(lines.len(), 1 + 2 * 4, "one row per layer and query head");
+    assert!(lines[1].starts_with("streaming_llm,10,0,0,"));
+    // After 4 decode steps holding B = 10: sinks {0, 1} and the last 8 positions 16..24,
+    // of which 16..20 are prompt positions: 6 retained prompt positions per KV head.
+    let retention = std::fs::read_to_string(out.join("retention.csv")).unwrap();
+    assert_eq!(retention.lines().count(), 1 + 2 * 2 * 6);
+    assert!(retention.contains("\n0,1,17,3\n"), "{retention}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(
+        summary["policy_spec"],
+        "streaming_llm:decode_evict=true,n_sink=2"
+    );
+    assert_eq!(
+        summary["trace"]["files_sha256"].as_array().unwrap().len(),
+        2
+    );
+    assert!(!out.join(".metrics.csv.tmp").exists());
+}
+
+#[test]
+fn bad_budgets_and_traces_are_explained() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = write_trace(tmp.path(), &layers(1, 20, 24));
+    let trace = Trace::open(&dir).unwrap();
+    let p = PolicySpec::parse("h2o").unwrap().build().unwrap();
+    let e = replay(&trace, p.as_ref(), Budget::Entries(0))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("at least 1"), "{e}");
+    let e = replay(&trace, p.as_ref(), Budget::Ratio(1.5))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("(0, 1]"), "{e}");
+    let e = replay(&trace, p.as_ref(), Budget::Ratio(0.01))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("keeps no entry"), "{e}");
+    // A trace without decode tokens has nothing to replay.
+    let t2 = tmp.path().join("nodecode");
+    std::fs::create_dir(&t2).unwrap();
+    let no_decode = write_trace(&t2, &layers(1, 20, 20));
+    let e = replay(
+        &Trace::open(no_decode).unwrap(),
+        p.as_ref(),
+        Budget::Entries(5),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, ReplayError::TraceLacks { .. }) && e.to_string().contains("--decode"),
+        "{e}"
+    );
+}
