@@ -88,3 +88,69 @@ pub fn bench_capture(b: &CaptureBench) -> Result<()> {
     );
     Ok(())
 }
+
+pub struct ReplayBench {
+    pub trace: Option<PathBuf>,
+    pub model: Option<PathBuf>,
+    pub reps: usize,
+}
+
+/// Budgets of the sweep benchmark.
+pub const SWEEP_BUDGETS: [usize; 6] = [32, 64, 128, 256, 512, 1024];
+
+pub fn bench_replay(b: &ReplayBench) -> Result<()> {
+    use kvreplay_replay::{Budget, PolicySpec, REGISTRY};
+    let tmp = std::env::temp_dir().join(format!("kvreplay-bench-replay-{}", std::process::id()));
+    let trace_dir = match &b.trace {
+        Some(t) if t.exists() => t.clone(),
+        other => {
+            let out = other.clone().unwrap_or_else(|| tmp.join("bench.kvtrace"));
+            let model_path = crate::cli::resolve_model(b.model.clone())?;
+            let model = Model::load(&model_path)?;
+            let mut ids = model.tokenizer.encode(&filler_text(2048))?;
+            ids.truncate(2048);
+            let mut o = CaptureOptions::new("(benchmark filler)", out);
+            o.prompt_ids = Some(ids);
+            o.n_decode = 64;
+            println!("capturing a 2048 + 64 token trace of {} into {} ...", model_path.display(), o.out.display());
+            capture(&model, &o, &mut |_| {})?.out
+        }
+    };
+    let trace = kvreplay_traces::Trace::open(&trace_dir)?;
+    let m = &trace.manifest;
+    println!(
+        "replay benchmark on {}: {} prompt + {} decode tokens, {} layers x {} KV heads, {} threads",
+        trace_dir.display(),
+        m.prompt_len(),
+        m.generation.n_decode,
+        m.model.n_layers,
+        m.model.n_kv_heads,
+        rayon::current_num_threads()
+    );
+    let one = PolicySpec::parse("snapkv")?.build()?;
+    let mut times = Vec::new();
+    for _ in 0..b.reps {
+        let t0 = std::time::Instant::now();
+        kvreplay_replay::replay(&trace, one.as_ref(), Budget::Entries(256))?;
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    println!("one replay (snapkv, budget 256): median {:.3} s over {} reps {:?}", median(&mut times.clone()), b.reps, times.iter().map(|t| format!("{t:.3}")).collect::<Vec<_>>());
+    let policies: Vec<_> = REGISTRY.iter().map(|p| p.name).collect();
+    let t0 = std::time::Instant::now();
+    let mut per_policy = Vec::new();
+    for name in &policies {
+        let p = PolicySpec::parse(name)?.build()?;
+        let tp = std::time::Instant::now();
+        for &budget in &SWEEP_BUDGETS {
+            kvreplay_replay::replay(&trace, p.as_ref(), Budget::Entries(budget))?;
+        }
+        per_policy.push((name, tp.elapsed().as_secs_f64()));
+    }
+    let total = t0.elapsed().as_secs_f64();
+    println!("sweep: {} policies x {} budgets {:?} = {} replays in {total:.2} s ({:.3} s per replay)", policies.len(), SWEEP_BUDGETS.len(), SWEEP_BUDGETS, policies.len() * SWEEP_BUDGETS.len(), total / (policies.len() * SWEEP_BUDGETS.len()) as f64);
+    for (name, t) in per_policy {
+        println!("  {name:>14}: {t:.2} s for 6 budgets");
+    }
+    std::fs::remove_dir_all(&tmp).ok();
+    Ok(())
+}

@@ -61,6 +61,17 @@ enum BenchCmd {
         #[arg(long, default_value = "f16")]
         dtype: Dtype,
     },
+    /// Replay speed: one (policy, budget) point and a sweep of every policy over 6 budgets.
+    Replay {
+        /// Trace to replay; captured first (2048 + 64 filler tokens) if it does not exist [default: a temporary one]
+        #[arg(long)]
+        trace: Option<PathBuf>,
+        /// GGUF model used when no --trace is given.
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+    },
 }
 
 #[derive(Args)]
@@ -150,6 +161,9 @@ pub fn run() -> Result<()> {
         Cmd::Inspect { trace } => cmd_inspect(&trace),
         Cmd::Verify { trace, positions } => cmd_verify(&trace, positions),
         Cmd::Policies => cmd_policies(),
+        Cmd::Bench(BenchCmd::Replay { trace, model, reps }) => {
+            crate::bench::bench_replay(&crate::bench::ReplayBench { trace, model, reps: reps.max(1) })
+        }
         Cmd::Replay(a) => cmd_replay(a),
         Cmd::Bench(BenchCmd::Capture {
             model,

@@ -126,22 +126,24 @@ pub fn load_layer(trace: &Trace, l: usize) -> LayerData {
 }
 
 /// Attention of query `q` over `cache`: the output (d,), the unnormalised
-/// weights exp(logit - max) (n,) and their sum, all in f64.
+/// weights exp(logit - max) (n,) and their sum (f64).
 pub fn attend(q: &[f32], cache: &HeadCache, scale: f32) -> (Vec<f64>, Vec<f64>, f64) {
     let n = cache.len();
     let logits: Vec<f32> = (0..n)
         .map(|e| crate::policy::dot(q, cache.key(e)) * scale + cache.bias[e])
         .collect();
     let mx = logits.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-    let w: Vec<f64> = logits.iter().map(|l| ((l - mx) as f64).exp()).collect();
+    let w: Vec<f64> = logits.iter().map(|l| (l - mx).exp() as f64).collect();
     let z: f64 = w.iter().sum();
-    let mut out = vec![0f64; cache.d];
+    // Output accumulated in f32 (vectorised), reported in f64.
+    let mut acc = vec![0f32; cache.d];
     for (e, we) in w.iter().enumerate() {
-        let p = we / z;
-        for (o, v) in out.iter_mut().zip(cache.value(e)) {
-            *o += p * *v as f64;
+        let p = (we / z) as f32;
+        for (o, v) in acc.iter_mut().zip(cache.value(e)) {
+            *o += p * v;
         }
     }
+    let out = acc.iter().map(|x| *x as f64).collect();
     (out, w, z)
 }
 

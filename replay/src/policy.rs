@@ -178,8 +178,20 @@ impl DecodeState for AppendOnly {
     fn step(&mut self, _: &StepCtx, _: &mut [HeadCache]) {}
 }
 
+/// Dot product with 8 independent partial sums (vectorisable; the summation
+/// order is fixed, so results never depend on the machine's thread count).
+#[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
 /// Max-shifted softmax in place (f64 normaliser).

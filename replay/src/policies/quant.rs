@@ -167,16 +167,12 @@ impl DecodeState for QState {
             residual: self.cfg.2,
         };
         for (g, c) in caches.iter_mut().enumerate() {
+            // Entries stay in position order, so each survivor is found by binary search.
+            let prev = &before[g];
             let mut f: Vec<Flags> = c
                 .members
                 .iter()
-                .map(|m| {
-                    before[g]
-                        .iter()
-                        .find(|(p, _)| *p == m[0])
-                        .map(|x| x.1)
-                        .unwrap_or_default()
-                })
+                .map(|m| prev.binary_search_by_key(&m[0], |x| x.0).map(|i| prev[i].1).unwrap_or_default())
                 .collect();
             q.settle(c, &mut f);
             self.flags[g] = f;
