@@ -112,7 +112,11 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
             let mut o = CaptureOptions::new("(benchmark filler)", out);
             o.prompt_ids = Some(ids);
             o.n_decode = 64;
-            println!("capturing a 2048 + 64 token trace of {} into {} ...", model_path.display(), o.out.display());
+            println!(
+                "capturing a 2048 + 64 token trace of {} into {} ...",
+                model_path.display(),
+                o.out.display()
+            );
             capture(&model, &o, &mut |_| {})?.out
         }
     };
@@ -134,7 +138,12 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
         kvreplay_replay::replay(&trace, one.as_ref(), Budget::Entries(256))?;
         times.push(t0.elapsed().as_secs_f64());
     }
-    println!("one replay (snapkv, budget 256): median {:.3} s over {} reps {:?}", median(&mut times.clone()), b.reps, times.iter().map(|t| format!("{t:.3}")).collect::<Vec<_>>());
+    println!(
+        "one replay (snapkv, budget 256): median {:.3} s over {} reps {:?}",
+        median(&mut times.clone()),
+        b.reps,
+        times.iter().map(|t| format!("{t:.3}")).collect::<Vec<_>>()
+    );
     let policies: Vec<_> = REGISTRY.iter().map(|p| p.name).collect();
     let t0 = std::time::Instant::now();
     let mut per_policy = Vec::new();
@@ -147,7 +156,14 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
         per_policy.push((name, tp.elapsed().as_secs_f64()));
     }
     let total = t0.elapsed().as_secs_f64();
-    println!("sweep: {} policies x {} budgets {:?} = {} replays in {total:.2} s ({:.3} s per replay)", policies.len(), SWEEP_BUDGETS.len(), SWEEP_BUDGETS, policies.len() * SWEEP_BUDGETS.len(), total / (policies.len() * SWEEP_BUDGETS.len()) as f64);
+    println!(
+        "sweep: {} policies x {} budgets {:?} = {} replays in {total:.2} s ({:.3} s per replay)",
+        policies.len(),
+        SWEEP_BUDGETS.len(),
+        SWEEP_BUDGETS,
+        policies.len() * SWEEP_BUDGETS.len(),
+        total / (policies.len() * SWEEP_BUDGETS.len()) as f64
+    );
     for (name, t) in per_policy {
         println!("  {name:>14}: {t:.2} s for 6 budgets");
     }

@@ -83,10 +83,10 @@ struct ReplayArgs {
     #[arg(long)]
     policy: String,
     /// Prompt entries kept per KV head per layer.
-    #[arg(long, group = "budget_arg", required = true)]
+    #[arg(long, group = "budget_arg", required = true, allow_negative_numbers = true, value_parser = parse_budget)]
     budget: Option<usize>,
     /// Fraction of the prompt kept per KV head per layer, in (0, 1].
-    #[arg(long, group = "budget_arg")]
+    #[arg(long, group = "budget_arg", allow_negative_numbers = true)]
     ratio: Option<f64>,
     /// Output directory for metrics.csv, retention.csv and summary.json.
     #[arg(long)]
@@ -130,6 +130,14 @@ struct CaptureArgs {
     force: bool,
 }
 
+fn parse_budget(s: &str) -> Result<usize, String> {
+    match s.parse::<i64>() {
+        Ok(n) if n >= 1 => Ok(n as usize),
+        Ok(n) => Err(format!("{n} keeps no entry; the budget is the number of prompt entries kept per KV head and layer, at least 1")),
+        Err(_) => Err(format!("`{s}` is not a whole number of entries (use --ratio for a fraction of the prompt)")),
+    }
+}
+
 fn parse_span(s: &str) -> Result<Span, String> {
     let parts: Vec<&str> = s.split(':').collect();
     let bad = || format!("`{s}` is not NAME:START:END (e.g. needle:120:140)");
@@ -162,7 +170,11 @@ pub fn run() -> Result<()> {
         Cmd::Verify { trace, positions } => cmd_verify(&trace, positions),
         Cmd::Policies => cmd_policies(),
         Cmd::Bench(BenchCmd::Replay { trace, model, reps }) => {
-            crate::bench::bench_replay(&crate::bench::ReplayBench { trace, model, reps: reps.max(1) })
+            crate::bench::bench_replay(&crate::bench::ReplayBench {
+                trace,
+                model,
+                reps: reps.max(1),
+            })
         }
         Cmd::Replay(a) => cmd_replay(a),
         Cmd::Bench(BenchCmd::Capture {
@@ -409,6 +421,7 @@ fn cmd_replay(a: ReplayArgs) -> Result<()> {
         (None, Some(r)) => Budget::Ratio(r),
         (None, None) => unreachable!("clap requires one budget"),
     };
+    budget.validate()?;
     let trace =
         Trace::open(&a.trace).with_context(|| format!("opening trace {}", a.trace.display()))?;
     budget.resolve(trace.manifest.prompt_len())?;

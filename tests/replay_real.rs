@@ -335,3 +335,46 @@ fn error_falls_as_the_budget_grows() {
         );
     }
 }
+
+#[test]
+fn replay_cli_writes_csvs_and_provenance() {
+    let Some(dir) = trace() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |policy: &str, out: &Path| {
+        let o = Command::new(env!("CARGO_BIN_EXE_kvreplay"))
+            .args([
+                "replay",
+                "--trace",
+                dir.to_str().unwrap(),
+                "--policy",
+                policy,
+                "--budget",
+                "64",
+                "--out",
+                out.to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap())
+                .unwrap();
+        (String::from_utf8_lossy(&o.stdout).into_owned(), summary)
+    };
+    let (table, full) = run("full", &tmp.path().join("full"));
+    assert!(table.contains("100.0% of the full f16 cache"), "{table}");
+    assert_eq!(full["rel_l2_mean"], 0.0);
+    assert_eq!(full["memory_ratio"], 1.0);
+    let (_, q) = run("snapkv+quant:bits=4", &tmp.path().join("q"));
+    assert_eq!(
+        q["policy_spec"],
+        "snapkv:k=7,pool=max,w=32+quant:bits=4,group=32,residual=32"
+    );
+    assert!(q["memory_ratio"].as_f64().unwrap() < 0.25);
+    assert_eq!(q["trace"]["files_sha256"].as_array().unwrap().len(), 30);
+    let metrics = std::fs::read_to_string(tmp.path().join("q/metrics.csv")).unwrap();
+    assert_eq!(metrics.lines().count(), 1 + 30 * 9);
+    let retention = std::fs::read_to_string(tmp.path().join("q/retention.csv")).unwrap();
+    // snapkv keeps exactly 64 prompt positions per KV head and layer
+    assert_eq!(retention.lines().count(), 1 + 30 * 3 * 64);
+}

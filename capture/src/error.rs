@@ -4,12 +4,8 @@ use std::path::PathBuf;
 /// what to do about it.
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("{path}: not a GGUF model file ({why}); pass a .gguf file such as SmolLM2-135M-Instruct.Q4_1.gguf")]
     NotGguf { path: PathBuf, why: String },
     #[error("{path}: GGUF version {version} is not supported (versions 2 and 3 are); re-convert the model with a current llama.cpp")]
@@ -62,7 +58,7 @@ impl CaptureError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         CaptureError::Io {
             path: path.into(),
-            source,
+            err: source,
         }
     }
 }

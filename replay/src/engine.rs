@@ -20,19 +20,24 @@ pub enum Budget {
 }
 
 impl Budget {
+    /// Check the value itself (before any trace is opened).
+    pub fn validate(self) -> Result<(), ReplayError> {
+        match self {
+            Budget::Entries(0) => Err(ReplayError::BadBudget(
+                "--budget must be at least 1 entry".into(),
+            )),
+            Budget::Ratio(r) if !(r > 0.0 && r <= 1.0) => Err(ReplayError::BadBudget(format!(
+                "--ratio {r} must lie in (0, 1]"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// B for a prompt of `prompt_len` tokens.
     pub fn resolve(self, prompt_len: usize) -> Result<usize, ReplayError> {
+        self.validate()?;
         let b = match self {
-            Budget::Entries(0) => {
-                return Err(ReplayError::BadBudget(
-                    "--budget must be at least 1 entry".into(),
-                ))
-            }
             Budget::Entries(n) => n,
-            Budget::Ratio(r) if !(r > 0.0 && r <= 1.0) => {
-                return Err(ReplayError::BadBudget(format!(
-                    "--ratio {r} must lie in (0, 1]"
-                )))
-            }
             Budget::Ratio(r) => (r * prompt_len as f64).floor() as usize,
         };
         if b == 0 {

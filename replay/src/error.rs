@@ -24,16 +24,14 @@ pub enum ReplayError {
     TraceLacks { path: String, msg: String },
     #[error(transparent)]
     Trace(#[from] kvreplay_traces::TraceError),
-    #[error("{path}: {source}")]
+    #[error("{path}: {err}")]
     Io {
         path: std::path::PathBuf,
-        #[source]
-        source: std::io::Error,
+        err: std::io::Error,
     },
-    #[error("{path}: writing CSV: {source}")]
+    #[error("{path}: writing CSV: {err}")]
     Csv {
         path: std::path::PathBuf,
-        #[source]
-        source: csv::Error,
+        err: csv::Error,
     },
 }

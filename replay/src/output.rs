@@ -81,13 +81,13 @@ pub fn summary(trace: &Trace, spec: &PolicySpec, budget: Budget, r: &ReplayResul
 pub fn write(out: &Path, summary: &Summary, r: &ReplayResult) -> Result<(), ReplayError> {
     std::fs::create_dir_all(out).map_err(|e| ReplayError::Io {
         path: out.into(),
-        source: e,
+        err: e,
     })?;
     let csv_err = |p: &Path| {
         let p = p.to_path_buf();
         move |e: csv::Error| ReplayError::Csv {
             path: p.clone(),
-            source: e,
+            err: e,
         }
     };
     let write_csv = |name: &str,
@@ -99,9 +99,9 @@ pub fn write(out: &Path, summary: &Summary, r: &ReplayResult) -> Result<(), Repl
         f(&mut w).map_err(csv_err(&tmp))?;
         w.flush().map_err(|e| ReplayError::Io {
             path: tmp.clone(),
-            source: e,
+            err: e,
         })?;
-        std::fs::rename(&tmp, &path).map_err(|e| ReplayError::Io { path, source: e })
+        std::fs::rename(&tmp, &path).map_err(|e| ReplayError::Io { path, err: e })
     };
     write_csv("metrics.csv", &|w| {
         for h in r.metrics() {
@@ -133,7 +133,7 @@ pub fn write(out: &Path, summary: &Summary, r: &ReplayResult) -> Result<(), Repl
     let text = serde_json::to_string_pretty(summary).expect("summary serialises") + "\n";
     std::fs::write(&tmp, text).map_err(|e| ReplayError::Io {
         path: tmp.clone(),
-        source: e,
+        err: e,
     })?;
-    std::fs::rename(&tmp, &path).map_err(|e| ReplayError::Io { path, source: e })
+    std::fs::rename(&tmp, &path).map_err(|e| ReplayError::Io { path, err: e })
 }

@@ -4,12 +4,8 @@ use std::path::PathBuf;
 /// Every variant names the file (and tensor) involved and says what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("{path}: not a trace directory (no manifest.json); a trace is the folder written by `kvreplay capture`")]
     NotATrace { path: PathBuf },
     #[error("{path}: invalid manifest: {msg}")]
@@ -57,7 +53,7 @@ impl TraceError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         TraceError::Io {
             path: path.into(),
-            source,
+            err: source,
         }
     }
 }

@@ -203,10 +203,7 @@ impl Manifest {
         if !dir.is_dir() {
             return Err(TraceError::Io {
                 path: dir.to_path_buf(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "trace directory not found",
-                ),
+                err: std::io::Error::new(std::io::ErrorKind::NotFound, "trace directory not found"),
             });
         }
         if !path.exists() {

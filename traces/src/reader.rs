@@ -113,10 +113,12 @@ fn parse_layer(path: &Path, bytes: &[u8], layout: &TraceLayout) -> Result<Tensor
     let mut out = BTreeMap::new();
     for (name, dtype, shape) in layer_tensors(layout) {
         let tv = st.tensor(name).map_err(|_| {
-            bad(
-                name,
-                "missing from the layer file; the trace is incomplete: recapture it".into(),
-            )
+            let how = if name == "attn_probs" {
+                "the manifest says it was captured: recapture with `kvreplay capture --attn-probs` (T <= 1024)"
+            } else {
+                "the trace is incomplete: recapture it with `kvreplay capture`"
+            };
+            bad(name, format!("missing from the layer file; {how}"))
         })?;
         let found = Dtype::from_safetensors(tv.dtype());
         if found != Some(dtype) || tv.shape() != shape.as_slice() {

@@ -320,3 +320,23 @@ fn not_a_trace_is_explained() {
     let e = Trace::open(tmp.path()).err().unwrap().to_string();
     assert!(e.contains("no manifest.json"), "{e}");
 }
+
+/// A manifest that promises a tensor the layer files lack names the tensor and
+/// the capture flag that adds it.
+#[test]
+fn a_missing_tensor_is_named_with_the_flag_that_adds_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = write_trace(tmp.path(), Dtype::F16);
+    let p = out.join("manifest.json");
+    let text = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("\"attn_probs\": false", "\"attn_probs\": true");
+    std::fs::write(&p, text).unwrap();
+    let e = Trace::open(&out).err().unwrap().to_string();
+    assert!(
+        e.contains("layer-000.safetensors")
+            && e.contains("`attn_probs`")
+            && e.contains("--attn-probs"),
+        "{e}"
+    );
+}

@@ -172,7 +172,11 @@ impl DecodeState for QState {
             let mut f: Vec<Flags> = c
                 .members
                 .iter()
-                .map(|m| prev.binary_search_by_key(&m[0], |x| x.0).map(|i| prev[i].1).unwrap_or_default())
+                .map(|m| {
+                    prev.binary_search_by_key(&m[0], |x| x.0)
+                        .map(|i| prev[i].1)
+                        .unwrap_or_default()
+                })
                 .collect();
             q.settle(c, &mut f);
             self.flags[g] = f;

@@ -1,0 +1,81 @@
+//! `kvreplay policies` and `kvreplay replay` argument errors (no model needed).
+
+use std::process::{Command, Output};
+
+fn kvreplay(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvreplay"))
+        .args(args)
+        .output()
+        .expect("kvreplay runs")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn policies_lists_every_registered_policy_with_its_paper_and_parameters() {
+    let o = kvreplay(&["policies"]);
+    let s = text(&o);
+    assert!(o.status.success());
+    for info in kvreplay_replay::REGISTRY {
+        assert!(
+            s.contains(&format!("\n{}", info.name)) || s.starts_with(info.name),
+            "{} missing",
+            info.name
+        );
+        assert!(s.contains(info.paper), "{}: paper missing", info.name);
+        for p in info.params {
+            assert!(
+                s.contains(p.help),
+                "{}: parameter {} missing",
+                info.name,
+                p.name
+            );
+        }
+    }
+}
+
+#[test]
+fn replay_argument_errors_are_clear() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o_s = out.to_str().unwrap();
+    let t = tmp.path().to_str().unwrap();
+    let cases: [(&[&str], &str); 7] = [
+        (
+            &["--policy", "snap", "--budget", "4"],
+            "unknown policy `snap`",
+        ),
+        (
+            &["--policy", "snapkv:window=3", "--budget", "4"],
+            "unknown parameter `window` (valid: w, k, pool)",
+        ),
+        (
+            &["--policy", "snapkv:w=x", "--budget", "4"],
+            "expected a non-negative integer",
+        ),
+        (&["--policy", "h2o", "--budget", "-3"], "-3 keeps no entry"),
+        (&["--policy", "h2o", "--budget", "0"], "0 keeps no entry"),
+        (&["--policy", "h2o", "--ratio", "2"], "must lie in (0, 1]"),
+        (
+            &["--policy", "h2o", "--budget", "4"],
+            "not a trace directory (no manifest.json)",
+        ),
+    ];
+    for (extra, want) in cases {
+        let mut args = vec!["replay", "--trace", t, "--out", o_s];
+        args.extend_from_slice(extra);
+        let o = kvreplay(&args);
+        assert!(
+            !o.status.success() && text(&o).contains(want),
+            "{extra:?}: {}",
+            text(&o)
+        );
+        assert!(!out.exists(), "{extra:?} wrote output");
+    }
+}
