@@ -225,12 +225,15 @@ pub fn replay_layer(
             }
             probs[h] = c_w.iter().map(|w| (w / c_z) as f32).collect();
         }
+        let queries: Vec<&[f32]> = (0..nh).map(|h| data.q_row(h, pos)).collect();
         let sctx = StepCtx {
             layer: data.layer,
             pos,
             budget: b,
             group,
             probs: &probs,
+            queries: &queries,
+            scale: data.scale,
         };
         state.step(&sctx, &mut caches);
     }

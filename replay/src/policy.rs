@@ -94,6 +94,18 @@ impl<'a> PrefillCtx<'a> {
         );
         self.data.k_row(g, i)
     }
+    /// Value of prompt position `i < P` in KV head `g`.
+    pub fn value(&self, g: usize, i: usize) -> &[f32] {
+        assert!(
+            i < self.data.prompt_len,
+            "policy asked for value {i} beyond the prompt"
+        );
+        self.data.v_row(g, i)
+    }
+    /// Softmax scale of the model's logits.
+    pub fn scale(&self) -> f32 {
+        self.data.scale
+    }
     /// Attention each prompt key received from all prompt queries of query head `h`: (P,).
     pub fn colsum(&self, h: usize) -> &[f32] {
         let p = self.data.prompt_len;
@@ -103,6 +115,16 @@ impl<'a> PrefillCtx<'a> {
     /// `h` over the prompt keys: (rows.len(), P), zero above the diagonal;
     /// softmax in f32 after an f64 sum, as the capture computed it.
     pub fn attn_rows(&self, h: usize, rows: Range<usize>) -> Vec<f32> {
+        self.attn_rows_with_gain(h, rows, |_| 1.0)
+    }
+    /// As [`attn_rows`](Self::attn_rows), with the logits of row j multiplied
+    /// by `gain(j)` before the softmax (temperature-scaled scoring rows).
+    pub fn attn_rows_with_gain(
+        &self,
+        h: usize,
+        rows: Range<usize>,
+        gain: impl Fn(usize) -> f32,
+    ) -> Vec<f32> {
         let p = self.data.prompt_len;
         assert!(
             rows.end <= p,
@@ -113,8 +135,9 @@ impl<'a> PrefillCtx<'a> {
         for (r, j) in rows.enumerate() {
             let row = &mut out[r * p..r * p + j + 1];
             let q = self.data.q_row(h, j);
+            let gj = gain(j);
             for (i, x) in row.iter_mut().enumerate() {
-                *x = dot(q, self.data.k_row(g, i)) * self.data.scale;
+                *x = dot(q, self.data.k_row(g, i)) * self.data.scale * gj;
             }
             softmax_in_place(row);
         }
@@ -148,6 +171,11 @@ pub struct StepCtx<'a> {
     pub group: usize,
     /// Per query head, probabilities over the entries of its KV head's cache.
     pub probs: &'a [Vec<f32>],
+    /// Per query head, this step's query (post-RoPE), for policies that score
+    /// with their own logits.
+    pub queries: &'a [&'a [f32]],
+    /// Softmax scale of the model's logits.
+    pub scale: f32,
 }
 
 impl StepCtx<'_> {

@@ -31,12 +31,15 @@ fn run_steps(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<HeadCache>>
                 w.iter().map(|x| (x / z) as f32).collect()
             })
             .collect();
+        let queries: Vec<&[f32]> = (0..data.n_heads).map(|h| data.q_row(h, pos)).collect();
         let ctx = StepCtx {
             layer: data.layer,
             pos,
             budget,
             group: data.group(),
             probs: &probs,
+            queries: &queries,
+            scale: data.scale,
         };
         state.step(&ctx, &mut caches);
         out.push(caches.clone());
@@ -197,6 +200,68 @@ fn quant_charges_real_bits() {
     assert_ne!(caches[0].key(0), data.k_row(0, 0));
 }
 
+/// AhaKV with recent accumulation, step gain and value prior all off is H2O
+/// (same window, G = 1): same prefill set and the same eviction at every step.
+#[test]
+fn ahakv_without_its_three_components_is_h2o() {
+    let data = random_layer(21, 2, 2, 8, 40, 48);
+    for b in [8, 13, 20] {
+        let a = run_steps(
+            "ahakv:use_ra=false,use_sg=false,use_vpe=false,recent=4",
+            &data,
+            b,
+        );
+        let h = run_steps("h2o:recent=4", &data, b);
+        for (step, (x, y)) in a.iter().zip(&h).enumerate() {
+            for g in 0..2 {
+                assert_eq!(
+                    x[g].positions(),
+                    y[g].positions(),
+                    "B = {b}, step {step}, head {g}"
+                );
+            }
+        }
+    }
+}
+
+/// AhaKV's recent accumulation: only the last B_r rows vote, so early keys
+/// gain nothing from the early rows that cannot see later keys.
+#[test]
+fn ahakv_scores_with_recent_rows_only() {
+    // Logits: key 0 = 0.5, key 6 = 0.6, every other 0. Summed over all rows, key 0
+    // collects attention from 10 rows and key 6 from 4, so key 0 wins; summed over
+    // the last B_r = 2 rows only, key 6 wins. B = 3 keeps one of them plus {8, 9}.
+    let mut s = vec![0.0f32; 11];
+    s[0] = 0.5;
+    s[6] = 0.6;
+    let data = simple_layer(&[s], 1, 10, 0, 1);
+    assert_eq!(
+        kept("ahakv:recent=2,use_sg=false,use_vpe=false", &data, 3),
+        vec![vec![6, 8, 9]]
+    );
+    assert_eq!(
+        kept(
+            "ahakv:recent=2,use_sg=false,use_vpe=false,use_ra=false",
+            &data,
+            3
+        ),
+        vec![vec![0, 8, 9]]
+    );
+}
+
+/// AhaKV breaks selection ties towards the smaller position (its own rule).
+#[test]
+fn ahakv_ties_go_to_the_smaller_position() {
+    let mut s = vec![0.0f32; 11];
+    s[2] = 1.0;
+    s[5] = 1.0;
+    let data = simple_layer(&[s], 1, 10, 0, 1);
+    assert_eq!(
+        kept("ahakv:recent=2,use_sg=false,use_vpe=false", &data, 3),
+        vec![vec![2, 8, 9]]
+    );
+}
+
 /// `full` is exact: zero error, full attention mass, zero KL, every byte.
 #[test]
 fn full_has_zero_error_and_full_bytes() {
@@ -286,7 +351,7 @@ mod invariants {
         fn caches_respect_budgets_and_protections(seed in 0u64..1000, p in 12usize..40, b in 1usize..40) {
             let t = p + 4;
             let data = random_layer(seed, 4, 2, 8, p, t);
-            let cases: [(&str, bool, Option<usize>, Option<usize>); 7] = [
+            let cases: [(&str, bool, Option<usize>, Option<usize>); 8] = [
                 // (spec, holds B during decode, sinks kept, recent/window kept)
                 ("streaming_llm:n_sink=4", true, Some(4), None),
                 ("h2o", true, None, Some(b / 2)),
@@ -295,6 +360,7 @@ mod invariants {
                 ("knorm:skip_layers=none", false, None, None),
                 ("scissorhands:w_h=20,r=3", true, None, Some(3)),
                 ("cam:n_sink=2,m=4", true, Some(2), None),
+                ("ahakv", true, None, Some((b / 2).min(32))),
             ];
             for (spec, decode, sinks, recent) in cases {
                 let steps = run_steps(spec, &data, b);

@@ -7,6 +7,7 @@ use crate::spec::{ParamInfo, Params};
 use crate::ReplayError;
 
 pub mod adakv;
+pub mod ahakv;
 pub mod cam;
 pub mod full;
 pub mod h2o;
@@ -48,6 +49,7 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &knorm::INFO,
     &scissorhands::INFO,
     &cam::INFO,
+    &ahakv::INFO,
     &quant::INFO,
 ];
 

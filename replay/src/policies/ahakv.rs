@@ -1,0 +1,309 @@
+//! AhaKV: recent accumulation, step-gain softmax and a value prior.
+//!
+//! Rule (../shared/specs/ahakv.md §2): per KV head, score the prompt with the
+//! last W = min(B_r, n) query rows only (Recent Accumulation), each row's
+//! logits multiplied by the gain g(c) = √(2·max(0, ln(c/k))), c = p + 1 keys
+//! visible, k = B (Step-Gain softmax); F = group mean of the rows' sums.
+//! Multiply by the value prior γ̄ = avg-pooled ‖v‖² (kernel 7, valid-count
+//! edges) over its maximum (VPE). Keep the B_r most recent prompt positions and
+//! the top B − B_r of the rest by F̂ (tie: smaller position). Decode: add the
+//! group mean of each step's SG-softmax row over the cache (gain at the
+//! absolute position); when the cache exceeds B evict the smallest score
+//! outside the B_r newest (tie: the larger position).
+
+use std::sync::Arc;
+
+use super::PolicyInfo;
+use crate::cache::HeadCache;
+use crate::policy::{dot, AppendOnly, DecodeState, Policy, PrefillCtx, StepCtx};
+use crate::spec::{Kind, ParamInfo, Params};
+use crate::ReplayError;
+
+pub static INFO: PolicyInfo = PolicyInfo {
+    name: "ahakv",
+    summary: "H2O-style eviction scored by recent accumulation, step-gain softmax and a value-norm prior",
+    paper: "AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction for Efficient Inference of Large Language Models (Gu et al., arXiv 2506.03762)",
+    params: &[
+        ParamInfo { name: "recent", default: "auto", kind: Kind::IntOr("auto"), help: "B_r: recent window and observation rows; auto = min(32, ⌊B/2⌋) (paper: 32, requires B > B_r)" },
+        ParamInfo { name: "use_ra", default: "true", kind: Kind::Bool, help: "recent accumulation (false: sum over all prompt rows, H2O-style)" },
+        ParamInfo { name: "use_sg", default: "true", kind: Kind::Bool, help: "step-gain softmax for scoring (false: g = 1)" },
+        ParamInfo { name: "use_vpe", default: "true", kind: Kind::Bool, help: "value-prior enhancement" },
+        ParamInfo { name: "gain_form", default: "derived", kind: Kind::Choice(&["derived", "literal"]), help: "g = √(2 ln(c/k)) on the model's logits, or Eq. 12 as printed (÷ d inside the root)" },
+        ParamInfo { name: "gain_count", default: "absolute", kind: Kind::Choice(&["absolute", "cache_len"]), help: "c at decode: absolute position + 1, or the cache length" },
+        ParamInfo { name: "w_pool", default: "7", kind: Kind::Int, help: "average-pool kernel of the value prior (odd)" },
+        ParamInfo { name: "pool_edges", default: "valid_count", kind: Kind::Choice(&["valid_count", "zero_pad"]), help: "divide edge windows by the valid count, or by w_pool (PyTorch's zero padding)" },
+        ParamInfo { name: "n_sink", default: "0", kind: Kind::Int, help: "extension: first positions always kept (paper: none)" },
+        ParamInfo { name: "decode_evict", default: "true", kind: Kind::Bool, help: "hold B entries during decode" },
+    ],
+    wrapper: false,
+    build: |p, inner| {
+        super::base_only(p, inner)?;
+        Ok(Arc::new(AhaKv::from_params(p)?))
+    },
+};
+
+#[derive(Clone, Copy, Debug)]
+pub struct AhaKv {
+    /// None = auto.
+    pub recent: Option<usize>,
+    pub use_ra: bool,
+    pub use_sg: bool,
+    pub use_vpe: bool,
+    pub literal_gain: bool,
+    pub gain_cache_len: bool,
+    pub w_pool: usize,
+    pub zero_pad: bool,
+    pub n_sink: usize,
+    pub decode_evict: bool,
+}
+
+impl AhaKv {
+    fn from_params(p: &Params) -> Result<AhaKv, ReplayError> {
+        let w_pool = p.int("w_pool")?;
+        if w_pool % 2 == 0 {
+            return Err(ReplayError::BadParam {
+                policy: "ahakv".into(),
+                key: "w_pool".into(),
+                value: w_pool.to_string(),
+                msg: "the pooling kernel must be odd".into(),
+            });
+        }
+        Ok(AhaKv {
+            recent: if p.word("recent") == "auto" {
+                None
+            } else {
+                Some(p.int("recent")?)
+            },
+            use_ra: p.bool("use_ra")?,
+            use_sg: p.bool("use_sg")?,
+            use_vpe: p.bool("use_vpe")?,
+            literal_gain: p.word("gain_form") == "literal",
+            gain_cache_len: p.word("gain_count") == "cache_len",
+            w_pool,
+            zero_pad: p.word("pool_edges") == "zero_pad",
+            n_sink: p.int("n_sink")?,
+            decode_evict: p.bool("decode_evict")?,
+        })
+    }
+
+    /// The step gain for a row that sees `c` keys, with budget `k` and head dim `d`.
+    pub fn gain(&self, c: usize, k: usize, d: usize) -> f32 {
+        if !self.use_sg {
+            return 1.0;
+        }
+        let l = (c as f64 / k as f64).ln().max(0.0);
+        let g = if self.literal_gain {
+            (2.0 * l / d as f64).sqrt()
+        } else {
+            (2.0 * l).sqrt()
+        };
+        g as f32
+    }
+
+    fn recent(&self, b: usize) -> usize {
+        self.recent.unwrap_or(32.min(b / 2))
+    }
+}
+
+/// Average pool with kernel `w` (odd), stride 1; edges divide by the valid count
+/// or, with `zero_pad`, by w.
+pub fn avg_pool(x: &[f32], w: usize, zero_pad: bool) -> Vec<f32> {
+    let h = w / 2;
+    (0..x.len())
+        .map(|i| {
+            let win = &x[i.saturating_sub(h)..(i + h + 1).min(x.len())];
+            let n = if zero_pad { w } else { win.len() };
+            (win.iter().map(|v| *v as f64).sum::<f64>() / n as f64) as f32
+        })
+        .collect()
+}
+
+/// Indices of the `k` best of `cand` by (score desc, position asc).
+fn top_small_first(s: &[f32], cand: impl Iterator<Item = usize>, k: usize) -> Vec<usize> {
+    let mut c: Vec<usize> = cand.collect();
+    c.sort_by(|&a, &b| {
+        s[b].partial_cmp(&s[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(&b))
+    });
+    c.truncate(k);
+    c.sort_unstable();
+    c
+}
+
+impl Policy for AhaKv {
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+        let (n, b, gs, d) = (ctx.prompt_len(), ctx.budget, ctx.group(), ctx.head_dim());
+        let br = self.recent(b);
+        if b <= br {
+            return Err(ReplayError::BadParam {
+                policy: "ahakv".into(),
+                key: "recent".into(),
+                value: br.to_string(),
+                msg: format!("budget {b} must exceed the recent window B_r = {br} (B_s = B - B_r >= 1); lower `recent` or raise the budget"),
+            });
+        }
+        let rows = if self.use_ra { n - br.min(n)..n } else { 0..n };
+        let mut caches = Vec::new();
+        let mut scores = Vec::new();
+        for g in 0..ctx.n_kv_heads() {
+            // F: group mean of the SG rows' column sums.
+            let mut f = vec![0f32; n];
+            for h in g * gs..(g + 1) * gs {
+                let a = ctx.attn_rows_with_gain(h, rows.clone(), |j| self.gain(j + 1, b, d));
+                let mut col = vec![0f32; n];
+                for row in a.chunks_exact(n) {
+                    col.iter_mut().zip(row).for_each(|(c, x)| *c += x);
+                }
+                f.iter_mut()
+                    .zip(&col)
+                    .for_each(|(a, c)| *a += c / gs as f32);
+            }
+            if self.use_vpe {
+                let nu: Vec<f32> = (0..n)
+                    .map(|j| ctx.value(g, j).iter().map(|v| v * v).sum())
+                    .collect();
+                let gamma = avg_pool(&nu, self.w_pool, self.zero_pad);
+                let mx = gamma.iter().cloned().fold(0f32, f32::max);
+                if mx > 0.0 {
+                    f.iter_mut().zip(&gamma).for_each(|(a, gm)| *a *= gm / mx);
+                }
+            }
+            let keep: Vec<usize> = if n <= b {
+                (0..n).collect()
+            } else {
+                let sinks = self.n_sink.min(b - br);
+                let mut keep: Vec<usize> = (0..sinks).collect();
+                keep.extend(top_small_first(&f, sinks..n - br, b - br - sinks));
+                keep.extend(n - br..n);
+                keep
+            };
+            scores.push(keep.iter().map(|&i| f[i]).collect::<Vec<f32>>());
+            caches.push(ctx.exact_cache(g, &keep));
+        }
+        let state: Box<dyn DecodeState> = if self.decode_evict {
+            Box::new(Evict {
+                cfg: *self,
+                recent: br,
+                d,
+                scores,
+            })
+        } else {
+            Box::new(AppendOnly)
+        };
+        Ok((caches, state))
+    }
+}
+
+struct Evict {
+    cfg: AhaKv,
+    recent: usize,
+    d: usize,
+    scores: Vec<Vec<f32>>,
+}
+
+impl DecodeState for Evict {
+    fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
+        for (g, c) in caches.iter_mut().enumerate() {
+            let f = &mut self.scores[g];
+            f.push(0.0);
+            let count = if self.cfg.gain_cache_len {
+                c.len()
+            } else {
+                ctx.pos + 1
+            };
+            let gain = self.cfg.gain(count, ctx.budget, self.d);
+            for q in &ctx.queries[g * ctx.group..(g + 1) * ctx.group] {
+                // SG-softmax over the cache entries with the model's scale and the step gain.
+                let z: Vec<f32> = (0..c.len())
+                    .map(|e| gain * ctx.scale * dot(q, c.key(e)))
+                    .collect();
+                let mx = z.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+                let w: Vec<f64> = z.iter().map(|x| ((x - mx) as f64).exp()).collect();
+                let sum: f64 = w.iter().sum();
+                for (fe, we) in f.iter_mut().zip(&w) {
+                    *fe += (we / sum) as f32 / ctx.group as f32;
+                }
+            }
+            if c.len() > ctx.budget {
+                let n = c.len();
+                let pos = c.positions();
+                let sinks = self.cfg.n_sink;
+                // Smallest score outside the B_r newest (and the sinks); tie: larger position.
+                let e = (0..n - self.recent.min(n))
+                    .filter(|&e| pos[e] >= sinks)
+                    .min_by(|&a, &b| {
+                        f[a].partial_cmp(&f[b])
+                            .unwrap_or(std::cmp::Ordering::Equal)
+                            .then(pos[b].cmp(&pos[a]))
+                    })
+                    .expect("candidates outside the window");
+                c.remove(e);
+                f.remove(e);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> AhaKv {
+        AhaKv {
+            recent: None,
+            use_ra: true,
+            use_sg: true,
+            use_vpe: true,
+            literal_gain: false,
+            gain_cache_len: false,
+            w_pool: 7,
+            zero_pad: false,
+            n_sink: 0,
+            decode_evict: true,
+        }
+    }
+
+    #[test]
+    fn gain_values_from_the_spec() {
+        let c = cfg();
+        for (count, want) in [
+            (1500, 0.9005),
+            (4000, 1.6651),
+            (8000, 2.0393),
+            (32000, 2.6328),
+        ] {
+            assert!((c.gain(count, 1000, 128) - want).abs() < 1e-4, "g({count})");
+        }
+        assert_eq!(c.gain(1000, 1000, 128), 0.0);
+        assert_eq!(c.gain(10, 1000, 128), 0.0);
+        let lit = AhaKv {
+            literal_gain: true,
+            ..cfg()
+        };
+        assert!((lit.gain(4000, 1000, 128) - 0.1472).abs() < 1e-4);
+        assert_eq!(
+            AhaKv {
+                use_sg: false,
+                ..cfg()
+            }
+            .gain(4000, 1000, 128),
+            1.0
+        );
+    }
+
+    #[test]
+    fn value_prior_pooling_edges() {
+        // constant norms: valid-count pooling keeps them constant; zero padding
+        // scales position 0 by (⌊7/2⌋ + 1)/7 = 4/7
+        let x = vec![2.0f32; 20];
+        assert!(avg_pool(&x, 7, false)
+            .iter()
+            .all(|v| (*v - 2.0).abs() < 1e-6));
+        let z = avg_pool(&x, 7, true);
+        assert!((z[0] - 2.0 * 4.0 / 7.0).abs() < 1e-6 && (z[10] - 2.0).abs() < 1e-6);
+    }
+}
