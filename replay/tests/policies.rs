@@ -388,3 +388,139 @@ mod invariants {
         }
     }
 }
+
+/// A one-head layer with the given 2-d keys, values (i, 1) and column sums.
+fn keyed_layer(keys: &[[f32; 2]], colsum: Vec<f32>, extra: usize) -> LayerData {
+    let mut data = simple_layer(&[vec![0.0; keys.len() + extra]], 1, keys.len(), 0, 1);
+    for (i, k) in keys.iter().enumerate() {
+        data.k[2 * i..2 * i + 2].copy_from_slice(k);
+    }
+    data.colsum = colsum;
+    data
+}
+
+#[test]
+fn kvmerger_sets_follow_adjacent_cosine() {
+    // keys a a a b b c (a ⟂ b, c opposite to b), soft mode with no protection:
+    // sets {0, 1, 2}, {3, 4}, {5}
+    let (a, b, c) = ([1.0, 0.0], [0.0, 1.0], [0.0, -1.0]);
+    let data = keyed_layer(&[a, a, a, b, b, c], vec![1.0; 6], 1);
+    let p = PolicySpec::parse("kvmerger:budget_mode=soft,recent_ratio=0,hh_ratio=0")
+        .unwrap()
+        .build()
+        .unwrap();
+    let (caches, _) = p.prefill(&PrefillCtx::new(&data, 1)).unwrap();
+    assert_eq!(caches[0].members, vec![vec![0, 1, 2], vec![3, 4], vec![5]]);
+    // soft mode represents every prompt position
+    assert_eq!(caches[0].members.iter().map(|m| m.len()).sum::<usize>(), 6);
+}
+
+#[test]
+fn kvmerger_gaussian_weights_and_value_scaling() {
+    // Two similar keys: k0 = (1, 0), k1 = (1, 0.5) (cos 0.894 > 0.75). Pivot = the
+    // larger accumulated attention: position 1. Distances 0.5 and 0, adaptive
+    // σ = 0.5 / (√2·2): g0 = exp(-0.25 / (2σ²)) = e^-4, g1 = 1.
+    // k̂ = (k1 + e^-4 k0) / (1 + e^-4); v̂ = 2·(v1 + e^-4 v0) / (1 + e^-4).
+    let data = keyed_layer(&[[1.0, 0.0], [1.0, 0.5]], vec![0.2, 0.9], 1);
+    let p = PolicySpec::parse("kvmerger:budget_mode=soft,recent_ratio=0,hh_ratio=0")
+        .unwrap()
+        .build()
+        .unwrap();
+    let (caches, _) = p.prefill(&PrefillCtx::new(&data, 1)).unwrap();
+    let c = &caches[0];
+    assert_eq!(c.members, vec![vec![0, 1]]);
+    let e = (-4.0f64).exp();
+    let w0 = e / (1.0 + e);
+    assert!(
+        (c.key(0)[1] as f64 - 0.5 * (1.0 - w0)).abs() < 1e-6,
+        "{:?}",
+        c.key(0)
+    );
+    // values v_i = (i, 1): v̂ = 2·((1 - w0)·(1, 1) + w0·(0, 1))
+    assert!(
+        (c.value(0)[0] as f64 - 2.0 * (1.0 - w0)).abs() < 1e-5
+            && (c.value(0)[1] - 2.0).abs() < 1e-5,
+        "{:?}",
+        c.value(0)
+    );
+    assert_eq!(c.bias[0], 0.0);
+    // logcount_bias keeps the plain weighted value and adds ln 2
+    let p = PolicySpec::parse(
+        "kvmerger:budget_mode=soft,recent_ratio=0,hh_ratio=0,value_mode=logcount_bias",
+    )
+    .unwrap()
+    .build()
+    .unwrap();
+    let (caches, _) = p.prefill(&PrefillCtx::new(&data, 1)).unwrap();
+    assert!((caches[0].bias[0] - 2f32.ln()).abs() < 1e-6);
+    assert_eq!(caches[0].bits[0], HeadCache::exact_bits(2) + 16);
+}
+
+#[test]
+fn kvmerger_hard_mode_respects_the_budget() {
+    // 40 keys on a slowly turning circle (every adjacent cosine > 0.99). B = 10 with
+    // the paper's split (r_rec/β = 0.34, r_hh/β = 0.24): R = {37, 38, 39}, H = the two
+    // largest column sums {7, 20}; the pool splits into the runs 0..7, 8..20, 21..37.
+    let keys: Vec<[f32; 2]> = (0..40)
+        .map(|i| {
+            let t = i as f32 * 0.05 + (i as f32 * 0.01).powi(2);
+            [t.cos(), t.sin()]
+        })
+        .collect();
+    let colsum: Vec<f32> = (0..40)
+        .map(|i| {
+            if i == 7 || i == 20 {
+                5.0
+            } else {
+                1.0 / (i + 1) as f32
+            }
+        })
+        .collect();
+    let data = keyed_layer(&keys, colsum, 2);
+    let run = |spec: &str| {
+        PolicySpec::parse(spec)
+            .unwrap()
+            .build()
+            .unwrap()
+            .prefill(&PrefillCtx::new(&data, 10))
+            .unwrap()
+            .0
+            .remove(0)
+    };
+    // ε = 0.75 merges each run whole: 3 sets <= m = 5, so the budget is under-filled (as in the paper).
+    let c = run("kvmerger");
+    assert_eq!(c.len(), 8);
+    assert_eq!(
+        c.members
+            .iter()
+            .filter(|m| m.len() > 1)
+            .map(|m| (m[0], m.len()))
+            .collect::<Vec<_>>(),
+        vec![(0, 7), (8, 12), (21, 16)]
+    );
+    // ε = 0.99999 links no pair: 35 singletons > m, so pairs are linked by decreasing
+    // cosine until exactly m = 5 sets remain (3 runs, split twice more).
+    let c = run("kvmerger:eps=0.99999");
+    assert_eq!(c.len(), 10);
+    for protected in [7, 20, 37, 38, 39] {
+        assert!(
+            c.members.contains(&vec![protected]),
+            "{protected} not verbatim: {:?}",
+            c.members
+        );
+    }
+    assert_eq!(
+        c.members.iter().map(|m| m.len()).sum::<usize>(),
+        40,
+        "every position is represented"
+    );
+    // The angle step grows with i, so the least similar pairs are the last ones of each
+    // run: the two extra cuts fall at the end of the longest run.
+    let sets: Vec<(u32, usize)> = c
+        .members
+        .iter()
+        .filter(|m| !(m.len() == 1 && [7, 20, 37, 38, 39].contains(&m[0])))
+        .map(|m| (m[0], m.len()))
+        .collect();
+    assert_eq!(sets, vec![(0, 7), (8, 12), (21, 14), (35, 1), (36, 1)]);
+}

@@ -12,6 +12,7 @@ pub mod cam;
 pub mod full;
 pub mod h2o;
 pub mod knorm;
+pub mod kvmerger;
 pub mod pyramidkv;
 pub mod quant;
 pub mod random;
@@ -50,6 +51,7 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &scissorhands::INFO,
     &cam::INFO,
     &ahakv::INFO,
+    &kvmerger::INFO,
     &quant::INFO,
 ];
 

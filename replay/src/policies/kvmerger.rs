@@ -1,0 +1,416 @@
+//! KVMerger: merge runs of adjacent, similar keys with a Gaussian kernel.
+//!
+//! Rule (../shared/specs/kvmerger.md §2): per KV head, keep a recent window R
+//! and heavy hitters H (largest accumulated attention a = Σ over the group's
+//! column sums, tie: smaller position) verbatim; split the rest (the pool) into
+//! maximal runs of consecutive positions, scan each run from its last token
+//! backwards and start a new set wherever cos(k_t, k_ref) ≤ ε (chain linkage:
+//! k_ref = the next token); collapse each set S into one entry: pivot p = the
+//! member with the largest a (tie: larger t), δ_t = ‖k_t − k_p‖²,
+//! σ = Σ‖k_t − k_p‖ / (√2·|S|), g_t = exp(−δ_t/(2σ²)), w = g/Σg,
+//! k̂ = Σ w_t k_t, v̂ = |S|·Σ w_t v_t. Prefill only; decode entries are appended.
+//!
+//! Budget: `budget_mode=soft` is the paper (R and H are fractions of the
+//! prompt, the merged count is whatever ε gives, the budget is ignored). The
+//! registry default is `hard` (the spec's extension for matched memory), since
+//! every replay is budgeted: R = ⌊B·r_rec/β⌋ and H = ⌊B·r_hh/β⌋ keep the
+//! paper's split of the kept entries at β = 0.5, and the pool gets
+//! m = B − |R| − |H| entries: the ε result if it fits, else adjacent pairs
+//! linked by decreasing cosine until m sets remain, else whole runs dropped by
+//! increasing max a.
+
+use std::sync::Arc;
+
+use super::PolicyInfo;
+use crate::cache::{HeadCache, F16_BITS};
+use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
+use crate::spec::{Kind, ParamInfo, Params};
+use crate::ReplayError;
+
+pub static INFO: PolicyInfo = PolicyInfo {
+    name: "kvmerger",
+    summary: "keeps a recent window and heavy hitters, merges runs of similar adjacent keys into Gaussian-weighted entries",
+    paper: "Model Tells You Where to Merge: Adaptive KV Cache Merging for LLMs on Long-Context Tasks (Wang et al., arXiv 2407.08454)",
+    params: &[
+        ParamInfo { name: "eps", default: "0.75", kind: Kind::Float, help: "cosine a key needs with its neighbour to join its set (strict >)" },
+        ParamInfo { name: "recent_ratio", default: "0.17", kind: Kind::Float, help: "r_rec: recent window as a fraction of the prompt (hard mode: of B·/beta)" },
+        ParamInfo { name: "hh_ratio", default: "0.12", kind: Kind::Float, help: "r_hh: heavy hitters as a fraction of the prompt (hard mode: of B·/beta)" },
+        ParamInfo { name: "beta", default: "0.5", kind: Kind::Float, help: "memory fraction the ratios were tuned for (hard mode rescales them to B)" },
+        ParamInfo { name: "budget_mode", default: "hard", kind: Kind::Choice(&["hard", "soft"]), help: "hard: exactly B prompt entries at most; soft: the paper, budget ignored" },
+        ParamInfo { name: "sigma", default: "adaptive", kind: Kind::Choice(&["adaptive", "adaptive_sq", "fixed"]), help: "kernel width: mean distance to the pivot / √2, mean squared distance / √2, or sigma0" },
+        ParamInfo { name: "sigma0", default: "5.0", kind: Kind::Float, help: "σ for sigma=fixed (the paper's published runs)" },
+        ParamInfo { name: "exclude_pivot_in_sigma", default: "false", kind: Kind::Bool, help: "divide the adaptive σ by √2(|S|−1) instead of √2|S|" },
+        ParamInfo { name: "pivot", default: "attn_argmax", kind: Kind::Choice(&["attn_argmax", "within_set", "last_index", "random"]), help: "pivot: largest accumulated attention, attention from the set's own queries, last member, or random" },
+        ParamInfo { name: "seed", default: "0", kind: Kind::Int, help: "seed for pivot=random" },
+        ParamInfo { name: "weighting", default: "gaussian", kind: Kind::Choice(&["gaussian", "equal"]), help: "member weights" },
+        ParamInfo { name: "value_mode", default: "scale_by_set_size", kind: Kind::Choice(&["scale_by_set_size", "logcount_bias", "plain"]), help: "v̂ = |S|·Σw v (paper), or Σw v with bias ln|S|, or Σw v" },
+        ParamInfo { name: "linkage", default: "chain", kind: Kind::Choice(&["chain", "anchor"]), help: "compare with the next token (chain) or with the set's first-scanned token" },
+        ParamInfo { name: "adjacency", default: "positions", kind: Kind::Choice(&["positions", "pool_order"]), help: "a protected token splits a run, or runs follow the pool order" },
+        ParamInfo { name: "n_sink", default: "0", kind: Kind::Int, help: "extension: first positions forced into the heavy hitters" },
+    ],
+    wrapper: false,
+    build: |p, inner| {
+        super::base_only(p, inner)?;
+        Ok(Arc::new(KvMerger::from_params(p)?))
+    },
+};
+
+#[derive(Clone, Debug)]
+pub struct KvMerger {
+    pub eps: f64,
+    pub r_rec: f64,
+    pub r_hh: f64,
+    pub beta: f64,
+    pub hard: bool,
+    pub sigma: String,
+    pub sigma0: f64,
+    pub exclude_pivot: bool,
+    pub pivot: String,
+    pub seed: u64,
+    pub equal_weights: bool,
+    pub value_mode: String,
+    pub anchor: bool,
+    pub pool_order: bool,
+    pub n_sink: usize,
+}
+
+impl KvMerger {
+    fn from_params(p: &Params) -> Result<KvMerger, ReplayError> {
+        let frac = |k: &str| -> Result<f64, ReplayError> {
+            let x = p.float(k)?;
+            if (0.0..=1.0).contains(&x) {
+                Ok(x)
+            } else {
+                Err(ReplayError::BadParam {
+                    policy: "kvmerger".into(),
+                    key: k.into(),
+                    value: x.to_string(),
+                    msg: "must lie in [0, 1]".into(),
+                })
+            }
+        };
+        let beta = frac("beta")?;
+        if beta == 0.0 {
+            return Err(ReplayError::BadParam {
+                policy: "kvmerger".into(),
+                key: "beta".into(),
+                value: "0".into(),
+                msg: "must be positive".into(),
+            });
+        }
+        Ok(KvMerger {
+            eps: p.float("eps")?,
+            r_rec: frac("recent_ratio")?,
+            r_hh: frac("hh_ratio")?,
+            beta,
+            hard: p.word("budget_mode") == "hard",
+            sigma: p.word("sigma").into(),
+            sigma0: p.float("sigma0")?,
+            exclude_pivot: p.bool("exclude_pivot_in_sigma")?,
+            pivot: p.word("pivot").into(),
+            seed: p.int("seed")? as u64,
+            equal_weights: p.word("weighting") == "equal",
+            value_mode: p.word("value_mode").into(),
+            anchor: p.word("linkage") == "anchor",
+            pool_order: p.word("adjacency") == "pool_order",
+            n_sink: p.int("n_sink")?,
+        })
+    }
+}
+
+pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        ab += *x as f64 * *y as f64;
+        aa += (*x as f64).powi(2);
+        bb += (*y as f64).powi(2);
+    }
+    ab / (aa.sqrt() * bb.sqrt()).max(1e-12)
+}
+
+/// Merging sets of `run` (ascending positions): scan from the last token back,
+/// joining while the cosine with the reference key exceeds `eps`.
+pub fn sets_of_run(
+    run: &[usize],
+    key: &dyn Fn(usize) -> Vec<f32>,
+    eps: f64,
+    anchor: bool,
+) -> Vec<Vec<usize>> {
+    let mut sets = Vec::new();
+    let mut cur = vec![*run.last().expect("non-empty run")];
+    let mut anchor_t = cur[0];
+    for w in run.windows(2).rev() {
+        let (t, nxt) = (w[0], w[1]);
+        let r = if anchor { anchor_t } else { nxt };
+        if cosine(&key(t), &key(r)) > eps {
+            cur.insert(0, t);
+        } else {
+            sets.push(std::mem::take(&mut cur));
+            cur = vec![t];
+            anchor_t = t;
+        }
+    }
+    sets.push(cur);
+    sets.reverse();
+    sets
+}
+
+impl KvMerger {
+    /// (k̂, v̂, bias) of one set.
+    fn merge(
+        &self,
+        ctx: &PrefillCtx,
+        g: usize,
+        s: &[usize],
+        a: &[f64],
+        rng: &mut SplitMix64,
+    ) -> (Vec<f32>, Vec<f32>, f32) {
+        let d = ctx.head_dim();
+        let p = match self.pivot.as_str() {
+            "last_index" => *s.last().unwrap(),
+            "random" => s[rng.below(s.len())],
+            "within_set" => {
+                // attention each member receives from the set's own queries (full causal rows)
+                let mut sc = vec![0f64; s.len()];
+                for h in g * ctx.group()..(g + 1) * ctx.group() {
+                    let rows = ctx.attn_rows(h, s[0]..s[s.len() - 1] + 1);
+                    let pl = ctx.prompt_len();
+                    for (ri, q) in (s[0]..=s[s.len() - 1]).enumerate() {
+                        for (mi, &t) in s.iter().enumerate() {
+                            if q >= t {
+                                sc[mi] += rows[ri * pl + t] as f64;
+                            }
+                        }
+                    }
+                }
+                argmax_last(s, &sc)
+            }
+            _ => argmax_last(s, &s.iter().map(|&t| a[t]).collect::<Vec<_>>()),
+        };
+        let kp = ctx.key(g, p);
+        let dist: Vec<f64> = s
+            .iter()
+            .map(|&t| {
+                ctx.key(g, t)
+                    .iter()
+                    .zip(kp)
+                    .map(|(x, y)| ((x - y) as f64).powi(2))
+                    .sum::<f64>()
+            })
+            .collect();
+        let denom = 2f64.sqrt()
+            * if self.exclude_pivot {
+                (s.len() - 1).max(1)
+            } else {
+                s.len()
+            } as f64;
+        let sigma = match self.sigma.as_str() {
+            "fixed" => self.sigma0,
+            "adaptive_sq" => dist.iter().sum::<f64>() / denom,
+            _ => dist.iter().map(|x| x.sqrt()).sum::<f64>() / denom,
+        };
+        let gw: Vec<f64> = if self.equal_weights || sigma == 0.0 {
+            vec![1.0; s.len()]
+        } else {
+            dist.iter()
+                .map(|x| (-x / (2.0 * sigma * sigma)).exp())
+                .collect()
+        };
+        let z: f64 = gw.iter().sum();
+        let (mut k, mut v) = (vec![0f64; d], vec![0f64; d]);
+        for (&t, w) in s.iter().zip(&gw) {
+            for c in 0..d {
+                k[c] += w / z * ctx.key(g, t)[c] as f64;
+                v[c] += w / z * ctx.value(g, t)[c] as f64;
+            }
+        }
+        let n = s.len() as f64;
+        let (vs, bias) = match self.value_mode.as_str() {
+            "scale_by_set_size" => (n, 0.0),
+            "logcount_bias" => (1.0, n.ln() as f32),
+            _ => (1.0, 0.0),
+        };
+        (
+            k.iter().map(|x| *x as f32).collect(),
+            v.iter().map(|x| (x * vs) as f32).collect(),
+            bias,
+        )
+    }
+}
+
+/// The member with the largest score; ties go to the larger position.
+fn argmax_last(s: &[usize], score: &[f64]) -> usize {
+    let mut best = 0;
+    for i in 1..s.len() {
+        if score[i] >= score[best] {
+            best = i;
+        }
+    }
+    s[best]
+}
+
+impl Policy for KvMerger {
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+        let (t, b, gs, d) = (ctx.prompt_len(), ctx.budget, ctx.group(), ctx.head_dim());
+        if self.hard && t <= b {
+            return Ok((ctx.full_caches(), Box::new(AppendOnly)));
+        }
+        let (n_rec, n_hh) = if self.hard {
+            let r = ((b as f64 * self.r_rec / self.beta).floor() as usize).min(t);
+            (
+                r,
+                ((b as f64 * self.r_hh / self.beta).floor() as usize).min(t - r),
+            )
+        } else {
+            let r = ((self.r_rec * t as f64).floor() as usize).min(t);
+            (r, ((self.r_hh * t as f64).floor() as usize).min(t - r))
+        };
+        let mut caches = Vec::new();
+        for g in 0..ctx.n_kv_heads() {
+            let a: Vec<f64> = (0..t)
+                .map(|i| {
+                    (g * gs..(g + 1) * gs)
+                        .map(|h| ctx.colsum(h)[i] as f64)
+                        .sum()
+                })
+                .collect();
+            let sinks = self.n_sink.min(t - n_rec);
+            let mut protected = vec![false; t];
+            (t - n_rec..t).for_each(|i| protected[i] = true);
+            (0..sinks).for_each(|i| protected[i] = true);
+            let mut cand: Vec<usize> = (sinks..t - n_rec).collect();
+            cand.sort_by(|&x, &y| {
+                a[y].partial_cmp(&a[x])
+                    .unwrap_or(std::cmp::Ordering::Equal)
+                    .then(x.cmp(&y))
+            });
+            for &i in cand.iter().take(n_hh.saturating_sub(sinks)) {
+                protected[i] = true;
+            }
+            let n_prot = protected.iter().filter(|x| **x).count();
+            if self.hard && n_prot > b {
+                return Err(ReplayError::BadParam {
+                    policy: "kvmerger".into(),
+                    key: "recent_ratio".into(),
+                    value: self.r_rec.to_string(),
+                    msg: format!("recent + heavy hitters ({n_prot}) exceed the budget {b} in hard mode; lower the ratios"),
+                });
+            }
+            let pool: Vec<usize> = (0..t).filter(|&i| !protected[i]).collect();
+            // Runs of the pool: consecutive original positions (or the whole pool in pool order).
+            let mut runs: Vec<Vec<usize>> = Vec::new();
+            for &i in &pool {
+                match runs.last_mut() {
+                    Some(r) if self.pool_order || *r.last().unwrap() + 1 == i => r.push(i),
+                    _ => runs.push(vec![i]),
+                }
+            }
+            let key = |i: usize| ctx.key(g, i).to_vec();
+            let mut sets: Vec<Vec<usize>> = runs
+                .iter()
+                .flat_map(|r| sets_of_run(r, &key, self.eps, self.anchor))
+                .collect();
+            if self.hard {
+                let m = b - n_prot;
+                if sets.len() > m {
+                    sets = hard_sets(&runs, &key, m, &a);
+                }
+            }
+            let mut rng = SplitMix64::for_head(self.seed, ctx.layer(), g);
+            // Assemble: verbatim protected entries and one entry per set, in position order.
+            let mut items: Vec<(usize, Option<Vec<usize>>)> = (0..t)
+                .filter(|&i| protected[i])
+                .map(|i| (i, None))
+                .collect();
+            items.extend(sets.into_iter().map(|s| (s[0], Some(s))));
+            items.sort_by_key(|x| x.0);
+            let mut c = HeadCache::new(d);
+            for (i, set) in items {
+                match set {
+                    Some(s) if s.len() > 1 => {
+                        let (k, v, bias) = self.merge(ctx, g, &s, &a, &mut rng);
+                        c.keys.extend_from_slice(&k);
+                        c.values.extend_from_slice(&v);
+                        c.bias.push(bias);
+                        c.members.push(s.iter().map(|&x| x as u32).collect());
+                        c.bits.push(
+                            HeadCache::exact_bits(d) + if bias != 0.0 { F16_BITS } else { 0 },
+                        );
+                    }
+                    _ => c.push_exact(i, ctx.key(g, i), ctx.value(g, i)),
+                }
+            }
+            caches.push(c);
+        }
+        Ok((caches, Box::new(AppendOnly)))
+    }
+}
+
+/// Hard budget: from singletons, link adjacent same-run pairs by decreasing
+/// cosine (ties: larger position first) until `m` sets remain; if the runs
+/// alone exceed `m`, drop whole runs by increasing max accumulated attention.
+fn hard_sets(
+    runs: &[Vec<usize>],
+    key: &dyn Fn(usize) -> Vec<f32>,
+    m: usize,
+    a: &[f64],
+) -> Vec<Vec<usize>> {
+    let mut runs: Vec<Vec<usize>> = runs.to_vec();
+    if runs.len() > m {
+        let mut order: Vec<usize> = (0..runs.len()).collect();
+        let mx = |r: &Vec<usize>| r.iter().map(|&i| a[i]).fold(f64::MIN, f64::max);
+        order.sort_by(|&x, &y| {
+            mx(&runs[x])
+                .partial_cmp(&mx(&runs[y]))
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then(x.cmp(&y))
+        });
+        let drop: std::collections::HashSet<usize> =
+            order.into_iter().take(runs.len() - m).collect();
+        runs = runs
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| !drop.contains(i))
+            .map(|(_, r)| r)
+            .collect();
+        return runs;
+    }
+    // Candidate links (cos, position of the pair's second member, run, index in run).
+    let mut links: Vec<(f64, usize, usize, usize)> = Vec::new();
+    for (ri, r) in runs.iter().enumerate() {
+        for j in 0..r.len().saturating_sub(1) {
+            links.push((cosine(&key(r[j]), &key(r[j + 1])), r[j + 1], ri, j));
+        }
+    }
+    links.sort_by(|x, y| {
+        y.0.partial_cmp(&x.0)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(y.1.cmp(&x.1))
+    });
+    let total: usize = runs.iter().map(|r| r.len()).sum();
+    let need = total.saturating_sub(m);
+    let mut linked: Vec<Vec<bool>> = runs
+        .iter()
+        .map(|r| vec![false; r.len().saturating_sub(1)])
+        .collect();
+    for &(_, _, ri, j) in links.iter().take(need) {
+        linked[ri][j] = true;
+    }
+    let mut sets = Vec::new();
+    for (ri, r) in runs.iter().enumerate() {
+        let mut cur = vec![r[0]];
+        for j in 0..r.len() - 1 {
+            if linked[ri][j] {
+                cur.push(r[j + 1]);
+            } else {
+                sets.push(std::mem::take(&mut cur));
+                cur = vec![r[j + 1]];
+            }
+        }
+        sets.push(cur);
+    }
+    sets
+}
