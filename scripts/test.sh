@@ -2,9 +2,18 @@
 # The test command: fetch the real model and the Python reference if needed,
 # then run every test of the workspace, optimised (the real-model tests run a
 # 135M-parameter model). Tests that need the model fail rather than skip here.
+# Ends with one summary line, "tests: N passed, M failed".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh
 scripts/setup-reference.sh
 export KVREPLAY_REQUIRE_MODEL=1
-exec cargo test --workspace --release "$@"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --workspace --release "$@" 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
+exit "$status"
