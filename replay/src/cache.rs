@@ -6,7 +6,7 @@ pub const F16_BITS: u64 = 16;
 
 /// One KV head's cache. Entry `e` is (key, value, additive logit bias, the
 /// original positions it stands for, its storage cost in bits). Every policy
-/// here keeps entries in position order (of their first member).
+/// here keeps entries in the order of the positions that created them.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct HeadCache {
     pub d: usize,

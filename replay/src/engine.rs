@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 use serde::Serialize;
+use std::sync::Arc;
 
 use kvreplay_traces::Trace;
 
@@ -105,8 +106,26 @@ impl ReplayResult {
     }
 }
 
-/// Read layer `l` of a trace as f32.
+/// Every layer's (n_heads, P) column sums.
+pub fn prompt_colsums(trace: &Trace) -> Arc<Vec<Vec<f32>>> {
+    let nh = trace.manifest.model.n_heads;
+    Arc::new(
+        (0..trace.n_layers())
+            .map(|l| {
+                (0..nh)
+                    .flat_map(|h| trace.layer(l).attn_colsum(h).to_vec())
+                    .collect()
+            })
+            .collect(),
+    )
+}
+
+/// Read layer `l` of a trace as f32 (with every layer's prompt column sums).
 pub fn load_layer(trace: &Trace, l: usize) -> LayerData {
+    load_layer_with(trace, l, prompt_colsums(trace))
+}
+
+fn load_layer_with(trace: &Trace, l: usize, all_colsum: Arc<Vec<Vec<f32>>>) -> LayerData {
     let m = &trace.manifest;
     let view = trace.layer(l);
     fn cat<'a>(n: usize, get: impl Fn(usize) -> kvreplay_traces::HeadView<'a>) -> Vec<f32> {
@@ -124,9 +143,8 @@ pub fn load_layer(trace: &Trace, l: usize) -> LayerData {
         q: cat(m.model.n_heads, |h| view.q(h)),
         k: cat(m.model.n_kv_heads, |h| view.k(h)),
         v: cat(m.model.n_kv_heads, |h| view.v(h)),
-        colsum: (0..m.model.n_heads)
-            .flat_map(|h| view.attn_colsum(h).to_vec())
-            .collect(),
+        colsum: all_colsum[l].clone(),
+        all_colsum: Some(all_colsum),
     }
 }
 
@@ -286,9 +304,10 @@ pub fn replay(
         });
     }
     let b = budget.resolve(m.prompt_len())?;
+    let colsums = prompt_colsums(trace);
     let layers = (0..trace.n_layers())
         .into_par_iter()
-        .map(|l| replay_layer(&load_layer(trace, l), policy, b))
+        .map(|l| replay_layer(&load_layer_with(trace, l, colsums.clone()), policy, b))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(ReplayResult { budget: b, layers })
 }

@@ -31,6 +31,10 @@ pub struct LayerData {
     pub v: Vec<f32>,
     /// (n_heads, P) attention each prompt key received from all prompt queries
     pub colsum: Vec<f32>,
+    /// Per layer of the trace, its (n_heads, P) column sums: prompt statistics a
+    /// live model also has at the end of prefill (for cross-layer budgets).
+    /// None when a layer is replayed on its own.
+    pub all_colsum: Option<std::sync::Arc<Vec<Vec<f32>>>>,
 }
 
 impl LayerData {
@@ -105,6 +109,15 @@ impl<'a> PrefillCtx<'a> {
     /// Softmax scale of the model's logits.
     pub fn scale(&self) -> f32 {
         self.data.scale
+    }
+    /// Column sums of query head `h` in layer `l` of the same trace: (P,).
+    /// None when the layer is replayed without its trace.
+    pub fn layer_colsum(&self, l: usize, h: usize) -> Option<&[f32]> {
+        let p = self.data.prompt_len;
+        self.data
+            .all_colsum
+            .as_ref()
+            .map(|a| &a[l][h * p..(h + 1) * p])
     }
     /// Attention each prompt key received from all prompt queries of query head `h`: (P,).
     pub fn colsum(&self, h: usize) -> &[f32] {

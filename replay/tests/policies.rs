@@ -281,7 +281,13 @@ fn full_has_zero_error_and_full_bytes() {
 #[test]
 fn every_policy_at_a_covering_budget_equals_full() {
     let data = random_layer(5, 4, 2, 8, 40, 46);
-    for info in REGISTRY.iter().filter(|i| i.name != "quant") {
+    // quant changes values at any budget; d2o clamps every layer's capacity at the
+    // prompt length (d2o.md §2.1: r_l <= 1), so it holds P entries during decode
+    // whatever the budget: its prefill keeps everything (checked below).
+    for info in REGISTRY
+        .iter()
+        .filter(|i| i.name != "quant" && i.name != "d2o")
+    {
         let p = PolicySpec::parse(info.name).unwrap().build().unwrap();
         let r = replay_layer(&data, p.as_ref(), 46).unwrap();
         for m in &r.metrics {
@@ -294,6 +300,7 @@ fn every_policy_at_a_covering_budget_equals_full() {
         }
         assert_eq!(r.bytes, r.full_bytes, "{}", info.name);
     }
+    assert_eq!(kept("d2o", &data, 40)[0], (0..40).collect::<Vec<_>>());
     for spec in [
         "random",
         "snapkv",
@@ -523,4 +530,73 @@ fn kvmerger_hard_mode_respects_the_budget() {
         .map(|m| (m[0], m.len()))
         .collect();
     assert_eq!(sets, vec![(0, 7), (8, 12), (21, 14), (35, 1), (36, 1)]);
+}
+
+#[test]
+fn d2o_first_compression_merges_tokens_at_least_as_similar_as_the_mean() {
+    // P = 8, one layer, B = 4: r = 0.5, N = 3, M = 1; sink {0}, recent {7}, and the two
+    // largest column sums among 1..7 are 2 and 3. Evicted: 1, 4, 5, 6 with best key
+    // cosines 0.990 (to 2), 0.900 (to 3), 0 and 0: τ₀ = mean = 0.4725, so 1 and 4
+    // merge and 5, 6 are dropped.
+    let deg = |a: f32| [a.to_radians().cos(), a.to_radians().sin()];
+    let c = (8.0f32.to_radians().cos()) as f64;
+    let keys = [
+        deg(180.0),
+        deg(8.0),
+        deg(0.0),
+        deg(90.0),
+        deg(115.84),
+        deg(270.0),
+        deg(270.0),
+        deg(45.0),
+    ];
+    let data = keyed_layer(&keys, vec![9.0, 1.0, 5.0, 4.0, 1.0, 1.0, 1.0, 1.0], 2);
+    let p = PolicySpec::parse("d2o:n_sink=1").unwrap().build().unwrap();
+    let (caches, _) = p.prefill(&PrefillCtx::new(&data, 4)).unwrap();
+    let cache = &caches[0];
+    assert_eq!(
+        cache.members,
+        vec![vec![0], vec![1, 2], vec![3, 4], vec![7]]
+    );
+    // k2' = (e·k2 + e^u·k1) / (e + e^u), u = cos 8°
+    let (e1, eu) = (1f64.exp(), c.exp());
+    let want = (e1 * 1.0 + eu * c) / (e1 + eu);
+    assert!(
+        (cache.key(1)[0] as f64 - want).abs() < 1e-5,
+        "{:?} vs {want}",
+        cache.key(1)
+    );
+    // without the threshold every evicted token merges into its match
+    let p = PolicySpec::parse("d2o:n_sink=1,threshold=none")
+        .unwrap()
+        .build()
+        .unwrap();
+    let (caches, _) = p.prefill(&PrefillCtx::new(&data, 4)).unwrap();
+    assert_eq!(caches[0].members.iter().map(|m| m.len()).sum::<usize>(), 8);
+}
+
+#[test]
+fn d2o_keeps_a_fixed_size_and_beta_one_merges_every_decode_eviction() {
+    let data = random_layer(9, 4, 2, 8, 30, 40);
+    // single layer: r = B/P = 0.4 -> N = 9, M = 3, S = 12
+    for spec in ["d2o", "d2o:beta=1"] {
+        let steps = run_steps(spec, &data, 12);
+        for (i, caches) in steps.iter().enumerate() {
+            for c in caches {
+                assert_eq!(c.len(), 12, "{spec}: step {i}");
+            }
+        }
+        if spec == "d2o:beta=1" {
+            // with β = 1, τ equals the evicted token's own similarity: it always merges
+            for g in 0..2 {
+                let after_prefill: usize = steps[0][g].members.iter().map(|m| m.len()).sum();
+                for (i, caches) in steps.iter().enumerate() {
+                    assert_eq!(
+                        caches[g].members.iter().map(|m| m.len()).sum::<usize>(),
+                        after_prefill + i
+                    );
+                }
+            }
+        }
+    }
 }

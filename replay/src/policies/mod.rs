@@ -9,6 +9,7 @@ use crate::ReplayError;
 pub mod adakv;
 pub mod ahakv;
 pub mod cam;
+pub mod d2o;
 pub mod full;
 pub mod h2o;
 pub mod knorm;
@@ -52,6 +53,7 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &cam::INFO,
     &ahakv::INFO,
     &kvmerger::INFO,
+    &d2o::INFO,
     &quant::INFO,
 ];
 

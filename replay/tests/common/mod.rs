@@ -55,6 +55,7 @@ pub fn simple_layer(
         k,
         v,
         colsum,
+        all_colsum: None,
     }
 }
 
@@ -114,6 +115,7 @@ pub fn random_layer(seed: u64, nh: usize, nkv: usize, d: usize, p: usize, t: usi
         k,
         v,
         colsum,
+        all_colsum: None,
     }
 }
 

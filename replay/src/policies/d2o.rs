@@ -1,0 +1,439 @@
+//! D2O: layer-level budgets from attention density, token-level eviction with
+//! recall-and-merge of evicted tokens under an EMA similarity threshold.
+//!
+//! Rule (../shared/specs/d2o.md §2, the paper preset): per layer, the sample
+//! variance of each head's prompt column sums, min-max normalised across the
+//! layer's heads and averaged, gives s_l; φ = softmax(−s) over layers;
+//! r_l = clamp(L·B·φ_l/P, 0.01, 1) (absolute-budget mode: B is the average
+//! entries per layer); N_l = ⌊r_l·f·P⌋ important, M_l = ⌊r_l·(1−f)·P⌋ recent,
+//! S_l = N_l + M_l. Per KV head (scores summed over the group): keep the
+//! sinks (inside N), the top N of the rest and the last M; every evicted token
+//! is matched to its most similar kept key (cosine); the threshold τ is the
+//! EMA of the mean best similarity (τ₀ = the first mean, β weighting the
+//! current one, updated before the test); tokens with μ ≥ τ are folded into
+//! their match with weights e¹ (kept) and e^u (absorbed), the rest are dropped.
+//! Decode: add the step's attention (summed over the group), evict the lowest
+//! score outside the sinks and the last M entries, recall-and-merge it.
+
+use std::sync::Arc;
+
+use super::PolicyInfo;
+use crate::cache::HeadCache;
+use crate::policy::{DecodeState, Policy, PrefillCtx, StepCtx};
+use crate::spec::{Kind, ParamInfo, Params};
+use crate::ReplayError;
+
+pub static INFO: PolicyInfo = PolicyInfo {
+    name: "d2o",
+    summary: "per-layer budgets from attention variance, H2O-style eviction whose evicted tokens merge into similar kept ones above an EMA threshold",
+    paper: "D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large Language Models (Wan et al., ICLR 2025, arXiv 2406.13035)",
+    params: &[
+        ParamInfo { name: "f", default: "0.75", kind: Kind::Float, help: "important share N/(N+M) of each layer's budget (paper 3:1)" },
+        ParamInfo { name: "beta", default: "0.7", kind: Kind::Float, help: "EMA weight of the current mean similarity" },
+        ParamInfo { name: "n_sink", default: "4", kind: Kind::Int, help: "attention sinks, always kept" },
+        ParamInfo { name: "sink_slot", default: "important", kind: Kind::Choice(&["important", "recent"]), help: "sinks count inside N (official code) or inside M (paper wording)" },
+        ParamInfo { name: "threshold", default: "ema", kind: Kind::Choice(&["ema", "none"]), help: "filter evicted tokens by the EMA threshold, or merge them all" },
+        ParamInfo { name: "merge", default: "weighted", kind: Kind::Choice(&["weighted", "average", "code_scaled_mean"]), help: "e-weighted convex merge (paper), plain mean, or the code's (k + Σ μ k_x)/(1 + |B|)" },
+        ParamInfo { name: "match_on", default: "keys", kind: Kind::Choice(&["keys", "values"]), help: "similarity used to match evicted tokens" },
+        ParamInfo { name: "allocation", default: "inv_var_softmax", kind: Kind::Choice(&["inv_var_softmax", "uniform", "reciprocal", "exp_decay", "inv_var_softmax_raw"]), help: "layer budget rule (Table 4 variants; uniform = without the layer operation)" },
+        ParamInfo { name: "protect_layers", default: "false", kind: Kind::Bool, help: "official code: layers 0, 1 and L−1 are never compressed" },
+    ],
+    wrapper: false,
+    build: |p, inner| {
+        super::base_only(p, inner)?;
+        Ok(Arc::new(D2o::from_params(p)?))
+    },
+};
+
+#[derive(Clone, Debug)]
+pub struct D2o {
+    pub f: f64,
+    pub beta: f64,
+    pub n_sink: usize,
+    pub sinks_in_recent: bool,
+    pub ema: bool,
+    pub merge: String,
+    pub match_values: bool,
+    pub allocation: String,
+    pub protect_layers: bool,
+}
+
+impl D2o {
+    fn from_params(p: &Params) -> Result<D2o, ReplayError> {
+        let unit = |k: &str| -> Result<f64, ReplayError> {
+            let x = p.float(k)?;
+            if (0.0..=1.0).contains(&x) {
+                Ok(x)
+            } else {
+                Err(ReplayError::BadParam {
+                    policy: "d2o".into(),
+                    key: k.into(),
+                    value: x.to_string(),
+                    msg: "must lie in [0, 1]".into(),
+                })
+            }
+        };
+        Ok(D2o {
+            f: unit("f")?,
+            beta: unit("beta")?,
+            n_sink: p.int("n_sink")?,
+            sinks_in_recent: p.word("sink_slot") == "recent",
+            ema: p.word("threshold") == "ema",
+            merge: p.word("merge").into(),
+            match_values: p.word("match_on") == "values",
+            allocation: p.word("allocation").into(),
+            protect_layers: p.bool("protect_layers")?,
+        })
+    }
+
+    /// φ over layers from every layer's per-head column sums (each (n_heads·P)).
+    pub fn layer_shares(&self, colsums: &[&[f32]], n_heads: usize, p: usize) -> Vec<f64> {
+        let l = colsums.len();
+        if p < 2 || self.allocation == "uniform" {
+            return vec![1.0 / l as f64; l];
+        }
+        let var = |c: &[f32]| {
+            let m = c.iter().map(|x| *x as f64).sum::<f64>() / c.len() as f64;
+            c.iter().map(|x| (*x as f64 - m).powi(2)).sum::<f64>() / (c.len() - 1) as f64
+        };
+        let v: Vec<Vec<f64>> = colsums
+            .iter()
+            .map(|c| (0..n_heads).map(|h| var(&c[h * p..(h + 1) * p])).collect())
+            .collect();
+        let softmax = |x: Vec<f64>| {
+            let mx = x.iter().cloned().fold(f64::MIN, f64::max);
+            let e: Vec<f64> = x.iter().map(|y| (y - mx).exp()).collect();
+            let z: f64 = e.iter().sum();
+            e.iter().map(|y| y / z).collect::<Vec<f64>>()
+        };
+        let raw: Vec<f64> = v
+            .iter()
+            .map(|vh| vh.iter().sum::<f64>() / vh.len() as f64)
+            .collect();
+        match self.allocation.as_str() {
+            "reciprocal" => {
+                let r: Vec<f64> = raw.iter().map(|x| 1.0 / x.max(1e-12)).collect();
+                let z: f64 = r.iter().sum();
+                r.iter().map(|x| x / z).collect()
+            }
+            "exp_decay" => softmax(raw.iter().map(|x| -x).collect()),
+            "inv_var_softmax_raw" => softmax(raw.iter().map(|x| 1.0 / x.max(1e-12)).collect()),
+            _ => {
+                let s: Vec<f64> = v
+                    .iter()
+                    .map(|vh| {
+                        let (mn, mx) = vh
+                            .iter()
+                            .fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(*x), b.max(*x)));
+                        vh.iter().map(|x| (x - mn) / (mx - mn + 1e-6)).sum::<f64>()
+                            / vh.len() as f64
+                    })
+                    .collect();
+                softmax(s.iter().map(|x| -x).collect())
+            }
+        }
+    }
+}
+
+/// (N, M) of layer `l` for an average budget `b` per layer.
+pub fn layer_counts(phi: f64, n_layers: usize, b: usize, p: usize, f: f64) -> (usize, usize) {
+    let r = (n_layers as f64 * b as f64 * phi / p as f64).clamp(0.01, 1.0);
+    (
+        (r * f * p as f64).floor() as usize,
+        (r * (1.0 - f) * p as f64).floor() as usize,
+    )
+}
+
+/// Per-(layer, KV head) state: scores, anchors and sink flags of the entries, τ.
+struct HeadState {
+    score: Vec<f64>,
+    anchor: Vec<usize>,
+    sink: Vec<bool>,
+    tau: Option<f64>,
+}
+
+fn cos(a: &[f32], b: &[f32]) -> f64 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        ab += *x as f64 * *y as f64;
+        aa += (*x as f64).powi(2);
+        bb += (*y as f64).powi(2);
+    }
+    ab / (aa.sqrt() * bb.sqrt() + 1e-6)
+}
+
+impl D2o {
+    /// Recall-and-merge: fold the entries `evict` (indices into `c`) into their
+    /// most similar kept entry when similar enough, then remove them.
+    fn compensate(&self, c: &mut HeadCache, st: &mut HeadState, evict: &[usize]) {
+        if evict.is_empty() {
+            return;
+        }
+        let d = c.d;
+        let kept: Vec<usize> = (0..c.len()).filter(|e| !evict.contains(e)).collect();
+        if !kept.is_empty() {
+            let vecs = |e: usize| {
+                if self.match_values {
+                    c.value(e)
+                } else {
+                    c.key(e)
+                }
+            };
+            // best match of each evicted entry (ties: lowest anchor = earliest kept index)
+            let matches: Vec<(usize, f64)> = evict
+                .iter()
+                .map(|&e| {
+                    let mut best = (kept[0], f64::MIN);
+                    for &k in &kept {
+                        let u = cos(vecs(e), vecs(k));
+                        if u > best.1 {
+                            best = (k, u);
+                        }
+                    }
+                    best
+                })
+                .collect();
+            let m = matches.iter().map(|x| x.1).sum::<f64>() / matches.len() as f64;
+            let tau = if self.ema {
+                let t = match st.tau {
+                    None => m,
+                    Some(prev) => self.beta * m + (1.0 - self.beta) * prev,
+                };
+                st.tau = Some(t);
+                t
+            } else {
+                f64::MIN
+            };
+            // Group accepted evictions by target; weights use the pre-merge keys.
+            let old_k = c.keys.clone();
+            let old_v = c.values.clone();
+            for &k in &kept {
+                let absorbed: Vec<(usize, f64)> = evict
+                    .iter()
+                    .zip(&matches)
+                    .filter(|(_, (t, u))| *t == k && *u >= tau)
+                    .map(|(&e, (_, u))| (e, *u))
+                    .collect();
+                if absorbed.is_empty() {
+                    continue;
+                }
+                let (wk, ws): (f64, Vec<f64>) = match self.merge.as_str() {
+                    "average" => (1.0, vec![1.0; absorbed.len()]),
+                    "code_scaled_mean" => (1.0, absorbed.iter().map(|x| x.1).collect()),
+                    _ => (1f64.exp(), absorbed.iter().map(|x| x.1.exp()).collect()),
+                };
+                let denom = match self.merge.as_str() {
+                    "weighted" => wk + ws.iter().sum::<f64>(),
+                    _ => 1.0 + absorbed.len() as f64,
+                };
+                for ch in 0..d {
+                    let mut kk = wk * old_k[k * d + ch] as f64;
+                    let mut vv = wk * old_v[k * d + ch] as f64;
+                    for ((e, _), w) in absorbed.iter().zip(&ws) {
+                        kk += w * old_k[e * d + ch] as f64;
+                        vv += w * old_v[e * d + ch] as f64;
+                    }
+                    c.keys[k * d + ch] = (kk / denom) as f32;
+                    c.values[k * d + ch] = (vv / denom) as f32;
+                }
+                let mut mem = std::mem::take(&mut c.members[k]);
+                for (e, _) in &absorbed {
+                    mem.extend_from_slice(&c.members[*e]);
+                }
+                mem.sort_unstable();
+                c.members[k] = mem;
+            }
+        }
+        let mut idx: Vec<usize> = evict.to_vec();
+        idx.sort_unstable_by(|a, b| b.cmp(a));
+        for e in idx {
+            c.remove(e);
+            st.score.remove(e);
+            st.anchor.remove(e);
+            st.sink.remove(e);
+        }
+    }
+}
+
+impl Policy for D2o {
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+        let (p, b, gs, nl, l) = (
+            ctx.prompt_len(),
+            ctx.budget,
+            ctx.group(),
+            ctx.n_layers(),
+            ctx.layer(),
+        );
+        let phi = match (0..nl)
+            .map(|x| ctx.layer_colsum(x, 0).map(|_| x))
+            .collect::<Option<Vec<_>>>()
+        {
+            Some(_) => {
+                let p_len = p;
+                let all: Vec<Vec<f32>> = (0..nl)
+                    .map(|x| {
+                        (0..ctx.n_heads())
+                            .flat_map(|h| ctx.layer_colsum(x, h).unwrap().to_vec())
+                            .collect()
+                    })
+                    .collect();
+                self.layer_shares(
+                    &all.iter().map(|v| v.as_slice()).collect::<Vec<_>>(),
+                    ctx.n_heads(),
+                    p_len,
+                )[l]
+            }
+            None => 1.0 / nl as f64,
+        };
+        let protected_layer = self.protect_layers && (l < 2 || l + 1 == nl);
+        let (n, m) = if protected_layer {
+            (usize::MAX / 4, usize::MAX / 4)
+        } else {
+            layer_counts(phi, nl, b, p, self.f)
+        };
+        let cap = n.saturating_add(m);
+        let mut caches = Vec::new();
+        let mut states = Vec::new();
+        for g in 0..ctx.n_kv_heads() {
+            let a: Vec<f64> = (0..p)
+                .map(|i| {
+                    (g * gs..(g + 1) * gs)
+                        .map(|h| ctx.colsum(h)[i] as f64)
+                        .sum()
+                })
+                .collect();
+            let (z, recent_start) = if self.sinks_in_recent {
+                let z = self.n_sink.min(m);
+                (z, p.saturating_sub(m - z))
+            } else {
+                (self.n_sink.min(n).min(p), p.saturating_sub(m))
+            };
+            let mut c = ctx.full_cache(g);
+            let mut st = HeadState {
+                score: a.clone(),
+                anchor: (0..p).collect(),
+                sink: (0..p).map(|i| i < z).collect(),
+                tau: None,
+            };
+            if p > cap {
+                let mut keep = vec![false; p];
+                (0..z).for_each(|i| keep[i] = true);
+                (recent_start.max(z)..p).for_each(|i| keep[i] = true);
+                let n_top = if self.sinks_in_recent { n } else { n - z };
+                let mut cand: Vec<usize> = (z..recent_start.max(z)).collect();
+                cand.sort_by(|&x, &y| {
+                    a[y].partial_cmp(&a[x])
+                        .unwrap_or(std::cmp::Ordering::Equal)
+                        .then(x.cmp(&y))
+                });
+                cand.iter().take(n_top).for_each(|&i| keep[i] = true);
+                let evict: Vec<usize> = (0..p).filter(|&i| !keep[i]).collect();
+                self.compensate(&mut c, &mut st, &evict);
+            }
+            caches.push(c);
+            states.push(st);
+        }
+        Ok((
+            caches,
+            Box::new(Decode {
+                cfg: self.clone(),
+                cap,
+                m,
+                states,
+            }),
+        ))
+    }
+}
+
+struct Decode {
+    cfg: D2o,
+    cap: usize,
+    m: usize,
+    states: Vec<HeadState>,
+}
+
+impl DecodeState for Decode {
+    fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
+        for (g, c) in caches.iter_mut().enumerate() {
+            let st = &mut self.states[g];
+            st.score.push(0.0);
+            st.anchor.push(ctx.pos);
+            st.sink.push(false);
+            for h in g * ctx.group..(g + 1) * ctx.group {
+                for (s, x) in st.score.iter_mut().zip(&ctx.probs[h]) {
+                    *s += *x as f64;
+                }
+            }
+            if c.len() <= self.cap {
+                continue;
+            }
+            // Protected: the sinks and the last M entries (M − |Z| with sinks in the recent share).
+            let n = c.len();
+            let sinks = st.sink.iter().filter(|x| **x).count();
+            let recent = if self.cfg.sinks_in_recent {
+                self.m.saturating_sub(sinks)
+            } else {
+                self.m
+            };
+            let victim = (0..n.saturating_sub(recent))
+                .filter(|&e| !st.sink[e])
+                .min_by(|&x, &y| {
+                    st.score[x]
+                        .partial_cmp(&st.score[y])
+                        .unwrap_or(std::cmp::Ordering::Equal)
+                        .then(st.anchor[x].cmp(&st.anchor[y]))
+                });
+            if let Some(e) = victim {
+                self.cfg.compensate(c, st, &[e]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_budgets_stay_within_a_factor_e_squared() {
+        // Budget B = 100 of P = 1000 (α = 0.1) over 4 layers: r_l = 4·0.1·φ_l and
+        // φ_l ∝ exp(−s_l) with s_l ∈ [0, 1], so r_l ∈ [α/e, α·e].
+        let cs: Vec<Vec<f32>> = (0..4)
+            .map(|l| {
+                (0..2 * 1000)
+                    .map(|i| ((i * (l + 1)) % 97) as f32 * (1.0 + l as f32 * (i % 2) as f32))
+                    .collect()
+            })
+            .collect();
+        let d = D2o {
+            f: 0.75,
+            beta: 0.7,
+            n_sink: 4,
+            sinks_in_recent: false,
+            ema: true,
+            merge: "weighted".into(),
+            match_values: false,
+            allocation: "inv_var_softmax".into(),
+            protect_layers: false,
+        };
+        let phi = d.layer_shares(
+            &cs.iter().map(|v| v.as_slice()).collect::<Vec<_>>(),
+            2,
+            1000,
+        );
+        assert!((phi.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+        for x in &phi {
+            let r = 4.0 * 0.1 * x;
+            assert!(
+                (0.1 / std::f64::consts::E - 1e-12..=0.1 * std::f64::consts::E + 1e-12)
+                    .contains(&r),
+                "{r}"
+            );
+        }
+        let (n, m) = layer_counts(0.25, 4, 100, 1000, 0.75);
+        assert_eq!((n, m), (75, 25));
+    }
+}
