@@ -214,79 +214,115 @@ pub fn replay_layer(
     policy: &dyn Policy,
     b: usize,
 ) -> Result<LayerResult, ReplayError> {
-    let (p, t, d) = (data.prompt_len, data.total_len, data.d);
-    let (nh, nkv, group) = (data.n_heads, data.n_kv_heads, data.group());
-    let ctx = PrefillCtx::new(data, b);
-    let (mut caches, mut state) = policy.prefill(&ctx)?;
+    Ok(replay_group(std::slice::from_ref(data), policy, b)?.remove(0))
+}
+
+/// Replay `policy` on a group of layers replayed together (one layer for most
+/// policies; adjacent pairs for cross-layer ones such as MiniCache).
+pub fn replay_group(
+    datas: &[LayerData],
+    policy: &dyn Policy,
+    b: usize,
+) -> Result<Vec<LayerResult>, ReplayError> {
+    let (p, t) = (datas[0].prompt_len, datas[0].total_len);
+    let ctxs: Vec<PrefillCtx> = datas.iter().map(|d| PrefillCtx::new(d, b)).collect();
+    let (mut caches, mut state) = policy.prefill_group(&ctxs)?;
     assert_eq!(
         caches.len(),
-        nkv,
-        "policy returned {} caches for {nkv} KV heads",
-        caches.len()
+        datas.len(),
+        "policy returned caches for {} of {} layers",
+        caches.len(),
+        datas.len()
     );
-    let mut full: Vec<HeadCache> = ctx.full_caches();
-    let mut sums = vec![[0f64; 4]; nh];
-    let mut probs: Vec<Vec<f32>> = vec![Vec::new(); nh];
+    for (c, d) in caches.iter().zip(datas) {
+        assert_eq!(
+            c.len(),
+            d.n_kv_heads,
+            "policy returned {} caches for {} KV heads",
+            c.len(),
+            d.n_kv_heads
+        );
+    }
+    let mut full: Vec<Vec<HeadCache>> = ctxs.iter().map(|c| c.full_caches()).collect();
+    let mut sums: Vec<Vec<[f64; 4]>> = datas.iter().map(|d| vec![[0f64; 4]; d.n_heads]).collect();
+    let mut probs: Vec<Vec<Vec<f32>>> = datas.iter().map(|d| vec![Vec::new(); d.n_heads]).collect();
     for pos in p..t {
-        for g in 0..nkv {
-            caches[g].push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
-            full[g].push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
-        }
-        for h in 0..nh {
-            let g = h / group;
-            let q = data.q_row(h, pos);
-            let (o_c, c_w, c_z) = attend(q, &caches[g], data.scale);
-            let (o_f, f_w, f_z) = attend(q, &full[g], data.scale);
-            let m = step_metrics(&o_c, &o_f, &caches[g], &c_w, c_z, &f_w, f_z);
-            for (s, x) in sums[h].iter_mut().zip([m.0, m.1, m.2, m.3]) {
-                *s += x;
+        for (i, data) in datas.iter().enumerate() {
+            let group = data.group();
+            for g in 0..data.n_kv_heads {
+                caches[i][g].push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
+                full[i][g].push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
             }
-            probs[h] = c_w.iter().map(|w| (w / c_z) as f32).collect();
+            for h in 0..data.n_heads {
+                let g = h / group;
+                let q = data.q_row(h, pos);
+                let (o_c, c_w, c_z) = attend(q, &caches[i][g], data.scale);
+                let (o_f, f_w, f_z) = attend(q, &full[i][g], data.scale);
+                let m = step_metrics(&o_c, &o_f, &caches[i][g], &c_w, c_z, &f_w, f_z);
+                for (s, x) in sums[i][h].iter_mut().zip([m.0, m.1, m.2, m.3]) {
+                    *s += x;
+                }
+                probs[i][h] = c_w.iter().map(|w| (w / c_z) as f32).collect();
+            }
         }
-        let queries: Vec<&[f32]> = (0..nh).map(|h| data.q_row(h, pos)).collect();
-        let sctx = StepCtx {
-            layer: data.layer,
-            pos,
-            budget: b,
-            group,
-            probs: &probs,
-            queries: &queries,
-            scale: data.scale,
-        };
-        state.step(&sctx, &mut caches);
+        let queries: Vec<Vec<&[f32]>> = datas
+            .iter()
+            .map(|d| (0..d.n_heads).map(|h| d.q_row(h, pos)).collect())
+            .collect();
+        let sctxs: Vec<StepCtx> = datas
+            .iter()
+            .enumerate()
+            .map(|(i, d)| StepCtx {
+                layer: d.layer,
+                pos,
+                budget: b,
+                group: d.group(),
+                probs: &probs[i],
+                queries: &queries[i],
+                scale: d.scale,
+            })
+            .collect();
+        state.step(&sctxs, &mut caches);
     }
     let steps = (t - p) as f64;
-    let metrics = (0..nh)
-        .map(|h| HeadMetrics {
-            layer: data.layer,
-            head: h,
-            rel_l2: sums[h][0] / steps,
-            cosine: sums[h][1] / steps,
-            attn_mass: sums[h][2] / steps,
-            kl: sums[h][3] / steps,
-            bytes: caches[h / group].bytes(),
-        })
-        .collect();
-    let mut retained = Vec::new();
-    for (g, c) in caches.iter().enumerate() {
-        for (e, m) in c.members.iter().enumerate() {
-            for &pos in m.iter().filter(|&&x| (x as usize) < p) {
-                retained.push(Retained {
+    Ok(datas
+        .iter()
+        .zip(&caches)
+        .zip(&sums)
+        .map(|((data, caches), sums)| {
+            let group = data.group();
+            let metrics = (0..data.n_heads)
+                .map(|h| HeadMetrics {
                     layer: data.layer,
-                    head: g,
-                    position: pos as usize,
-                    entry: e,
-                });
+                    head: h,
+                    rel_l2: sums[h][0] / steps,
+                    cosine: sums[h][1] / steps,
+                    attn_mass: sums[h][2] / steps,
+                    kl: sums[h][3] / steps,
+                    bytes: caches[h / group].bytes(),
+                })
+                .collect();
+            let mut retained = Vec::new();
+            for (g, c) in caches.iter().enumerate() {
+                for (e, m) in c.members.iter().enumerate() {
+                    for &pos in m.iter().filter(|&&x| (x as usize) < p) {
+                        retained.push(Retained {
+                            layer: data.layer,
+                            head: g,
+                            position: pos as usize,
+                            entry: e,
+                        });
+                    }
+                }
             }
-        }
-    }
-    let full_bytes = nkv as u64 * t as u64 * HeadCache::exact_bits(d) / 8;
-    Ok(LayerResult {
-        metrics,
-        retained,
-        bytes: caches.iter().map(|c| c.bytes()).sum(),
-        full_bytes,
-    })
+            LayerResult {
+                metrics,
+                retained,
+                bytes: caches.iter().map(|c| c.bytes()).sum(),
+                full_bytes: data.n_kv_heads as u64 * t as u64 * HeadCache::exact_bits(data.d) / 8,
+            }
+        })
+        .collect())
 }
 
 /// Replay `policy` on every layer of `trace` (layers in parallel; results
@@ -305,9 +341,29 @@ pub fn replay(
     }
     let b = budget.resolve(m.prompt_len())?;
     let colsums = prompt_colsums(trace);
-    let layers = (0..trace.n_layers())
-        .into_par_iter()
-        .map(|l| replay_layer(&load_layer_with(trace, l, colsums.clone()), policy, b))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(ReplayResult { budget: b, layers })
+    let groups = policy.layer_groups(trace.n_layers());
+    let results = groups
+        .par_iter()
+        .map(|group| {
+            let datas: Vec<LayerData> = group
+                .iter()
+                .map(|&l| load_layer_with(trace, l, colsums.clone()))
+                .collect();
+            Ok(group
+                .iter()
+                .copied()
+                .zip(replay_group(&datas, policy, b)?)
+                .collect::<Vec<_>>())
+        })
+        .collect::<Result<Vec<_>, ReplayError>>()?;
+    let mut layers: Vec<(usize, LayerResult)> = results.into_iter().flatten().collect();
+    layers.sort_by_key(|x| x.0);
+    assert!(
+        layers.iter().enumerate().all(|(i, x)| x.0 == i),
+        "layer groups must cover every layer once"
+    );
+    Ok(ReplayResult {
+        budget: b,
+        layers: layers.into_iter().map(|x| x.1).collect(),
+    })
 }

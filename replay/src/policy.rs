@@ -205,6 +205,45 @@ pub trait Policy: Send + Sync {
         &self,
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError>;
+
+    /// Layers replayed together. Default: every layer on its own; cross-layer
+    /// policies (MiniCache) group adjacent layers.
+    fn layer_groups(&self, n_layers: usize) -> Vec<Vec<usize>> {
+        (0..n_layers).map(|l| vec![l]).collect()
+    }
+
+    /// Prefill of one group of layers. Default: `prefill` on each layer.
+    #[allow(clippy::type_complexity)]
+    fn prefill_group(
+        &self,
+        ctxs: &[PrefillCtx],
+    ) -> Result<(Vec<Vec<HeadCache>>, Box<dyn GroupDecodeState>), ReplayError> {
+        let mut caches = Vec::new();
+        let mut states = Vec::new();
+        for c in ctxs {
+            let (cs, st) = self.prefill(c)?;
+            caches.push(cs);
+            states.push(st);
+        }
+        Ok((caches, Box::new(PerLayer(states))))
+    }
+}
+
+/// Decode-time state of a group of layers; `ctxs[i]` and `caches[i]` belong to
+/// the group's i-th layer.
+pub trait GroupDecodeState: Send {
+    fn step(&mut self, ctxs: &[StepCtx], caches: &mut [Vec<HeadCache>]);
+}
+
+/// Independent per-layer states (the default grouping).
+pub struct PerLayer(pub Vec<Box<dyn DecodeState>>);
+
+impl GroupDecodeState for PerLayer {
+    fn step(&mut self, ctxs: &[StepCtx], caches: &mut [Vec<HeadCache>]) {
+        for ((s, c), x) in self.0.iter_mut().zip(ctxs).zip(caches.iter_mut()) {
+            s.step(c, x);
+        }
+    }
 }
 
 /// Per-layer state of a policy during decode.

@@ -15,9 +15,10 @@ use std::sync::Arc;
 
 use super::PolicyInfo;
 use crate::cache::{HeadCache, F16_BITS};
-use crate::policy::{DecodeState, Policy, PrefillCtx, StepCtx};
+use crate::policy::{DecodeState, GroupDecodeState, Policy, PrefillCtx, StepCtx};
 use crate::spec::{Kind, ParamInfo};
 use crate::ReplayError;
+use std::collections::HashMap;
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "quant",
@@ -36,15 +37,13 @@ pub static INFO: PolicyInfo = PolicyInfo {
         }
         let residual = p.int("residual")?.max(1);
         let base = inner.unwrap_or_else(|| Arc::new(super::full::Full));
-        Ok(Arc::new(Quant { base, bits: p.word("bits").parse().expect("validated"), group, residual }))
+        Ok(Arc::new(Quant { base, cfg: QuantCfg { bits: p.word("bits").parse().expect("validated"), group, residual } }))
     },
 };
 
 pub struct Quant {
     pub base: Arc<dyn Policy>,
-    pub bits: u32,
-    pub group: usize,
-    pub residual: usize,
+    pub cfg: QuantCfg,
 }
 
 /// Quantise-dequantise `x` in place as one group; returns nothing (cost is
@@ -70,14 +69,15 @@ struct Flags {
     v: bool,
 }
 
-struct QState {
-    inner: Box<dyn DecodeState>,
-    cfg: (u32, usize, usize),
-    /// Per KV head, per entry: which halves are quantised.
-    flags: Vec<Vec<Flags>>,
+/// The quantiser's settings (what its decode states need).
+#[derive(Clone, Copy, Debug)]
+pub struct QuantCfg {
+    pub bits: u32,
+    pub group: usize,
+    pub residual: usize,
 }
 
-impl Quant {
+impl QuantCfg {
     /// Quantise what the rule says must be quantised now.
     #[allow(clippy::needless_range_loop)] // indexes entries of both the cache and the flags
     fn settle(&self, c: &mut HeadCache, flags: &mut [Flags]) {
@@ -118,6 +118,68 @@ impl Quant {
             c.bits[e] = c.bits[e] - d as u64 * F16_BITS + b * d as u64 + 2 * F16_BITS * groups;
         }
     }
+
+    /// Quantise freshly built caches; returns their flags.
+    fn settle_new(&self, caches: &mut [HeadCache]) -> Vec<Vec<Flags>> {
+        caches
+            .iter_mut()
+            .map(|c| {
+                let mut f = vec![Flags::default(); c.len()];
+                self.settle(c, &mut f);
+                f
+            })
+            .collect()
+    }
+
+    /// Flags before a step, keyed by each entry's first member (entries stand
+    /// for disjoint positions, so the key is unique). The step's new entry,
+    /// appended by the engine, has no flags yet and so is unquantised.
+    fn snapshot(caches: &[HeadCache], flags: &[Vec<Flags>]) -> Vec<HashMap<u32, Flags>> {
+        caches
+            .iter()
+            .zip(flags)
+            .map(|(c, f)| {
+                c.members
+                    .iter()
+                    .map(|m| m[0])
+                    .zip(f.iter().copied())
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// After the base policy's step: carry the flags of surviving entries over
+    /// and quantise what is now due.
+    fn resettle(
+        &self,
+        caches: &mut [HeadCache],
+        before: &[HashMap<u32, Flags>],
+        flags: &mut [Vec<Flags>],
+    ) {
+        for ((c, prev), f) in caches.iter_mut().zip(before).zip(flags.iter_mut()) {
+            let mut nf: Vec<Flags> = c
+                .members
+                .iter()
+                .map(|m| prev.get(&m[0]).copied().unwrap_or_default())
+                .collect();
+            self.settle(c, &mut nf);
+            *f = nf;
+        }
+    }
+}
+
+struct QState {
+    inner: Box<dyn DecodeState>,
+    cfg: QuantCfg,
+    /// Per KV head, per entry: which halves are quantised.
+    flags: Vec<Vec<Flags>>,
+}
+
+struct QGroupState {
+    inner: Box<dyn GroupDecodeState>,
+    cfg: QuantCfg,
+    /// Per layer of the group, per KV head, per entry.
+    flags: Vec<Vec<Vec<Flags>>>,
 }
 
 impl Policy for Quant {
@@ -126,17 +188,32 @@ impl Policy for Quant {
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
         let (mut caches, inner) = self.base.prefill(ctx)?;
-        let mut flags = Vec::new();
-        for c in caches.iter_mut() {
-            let mut f = vec![Flags::default(); c.len()];
-            self.settle(c, &mut f);
-            flags.push(f);
-        }
+        let flags = self.cfg.settle_new(&mut caches);
         Ok((
             caches,
             Box::new(QState {
                 inner,
-                cfg: (self.bits, self.group, self.residual),
+                cfg: self.cfg,
+                flags,
+            }),
+        ))
+    }
+
+    fn layer_groups(&self, n_layers: usize) -> Vec<Vec<usize>> {
+        self.base.layer_groups(n_layers)
+    }
+
+    fn prefill_group(
+        &self,
+        ctxs: &[PrefillCtx],
+    ) -> Result<(Vec<Vec<HeadCache>>, Box<dyn GroupDecodeState>), ReplayError> {
+        let (mut caches, inner) = self.base.prefill_group(ctxs)?;
+        let flags = caches.iter_mut().map(|c| self.cfg.settle_new(c)).collect();
+        Ok((
+            caches,
+            Box::new(QGroupState {
+                inner,
+                cfg: self.cfg,
                 flags,
             }),
         ))
@@ -145,41 +222,22 @@ impl Policy for Quant {
 
 impl DecodeState for QState {
     fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
-        // Track which entries the base keeps: positions identify entries.
-        let before: Vec<Vec<(u32, Flags)>> = caches
+        let before = QuantCfg::snapshot(caches, &self.flags);
+        self.inner.step(ctx, caches);
+        self.cfg.resettle(caches, &before, &mut self.flags);
+    }
+}
+
+impl GroupDecodeState for QGroupState {
+    fn step(&mut self, ctxs: &[StepCtx], caches: &mut [Vec<HeadCache>]) {
+        let before: Vec<_> = caches
             .iter()
             .zip(&self.flags)
-            .map(|(c, f)| {
-                let mut v: Vec<(u32, Flags)> = c.members[..f.len()]
-                    .iter()
-                    .map(|m| m[0])
-                    .zip(f.iter().copied())
-                    .collect();
-                v.push((c.members[c.len() - 1][0], Flags::default())); // the step's new entry
-                v
-            })
+            .map(|(c, f)| QuantCfg::snapshot(c, f))
             .collect();
-        self.inner.step(ctx, caches);
-        let q = Quant {
-            base: Arc::new(super::full::Full),
-            bits: self.cfg.0,
-            group: self.cfg.1,
-            residual: self.cfg.2,
-        };
-        for (g, c) in caches.iter_mut().enumerate() {
-            // Entries stay in position order, so each survivor is found by binary search.
-            let prev = &before[g];
-            let mut f: Vec<Flags> = c
-                .members
-                .iter()
-                .map(|m| {
-                    prev.binary_search_by_key(&m[0], |x| x.0)
-                        .map(|i| prev[i].1)
-                        .unwrap_or_default()
-                })
-                .collect();
-            q.settle(c, &mut f);
-            self.flags[g] = f;
+        self.inner.step(ctxs, caches);
+        for ((c, b), f) in caches.iter_mut().zip(&before).zip(self.flags.iter_mut()) {
+            self.cfg.resettle(c, b, f);
         }
     }
 }
