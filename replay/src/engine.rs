@@ -341,7 +341,7 @@ pub fn replay(
     }
     let b = budget.resolve(m.prompt_len())?;
     let colsums = prompt_colsums(trace);
-    let groups = policy.layer_groups(trace.n_layers());
+    let groups = policy.layer_groups(trace.n_layers(), b, m.prompt_len());
     let results = groups
         .par_iter()
         .map(|group| {

@@ -206,9 +206,10 @@ pub trait Policy: Send + Sync {
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError>;
 
-    /// Layers replayed together. Default: every layer on its own; cross-layer
+    /// Layers replayed together, for a budget of `budget` entries on a
+    /// `prompt_len`-token prompt. Default: every layer on its own; cross-layer
     /// policies (MiniCache) group adjacent layers.
-    fn layer_groups(&self, n_layers: usize) -> Vec<Vec<usize>> {
+    fn layer_groups(&self, n_layers: usize, _budget: usize, _prompt_len: usize) -> Vec<Vec<usize>> {
         (0..n_layers).map(|l| vec![l]).collect()
     }
 

@@ -20,6 +20,8 @@ pub enum Kind {
     IntList,
     /// A non-negative integer or the given word (e.g. `half`).
     IntOr(&'static str),
+    /// A number or the given word (e.g. `budget`).
+    FloatOr(&'static str),
 }
 
 /// A parameter a policy accepts.
@@ -125,6 +127,10 @@ fn check_value(info: &PolicyInfo, p: &ParamInfo, value: &str) -> Result<(), Repl
         Kind::IntOr(word) => (value == word || value.parse::<usize>().is_ok())
             .then_some(())
             .ok_or_else(|| bad(format!("expected a non-negative integer or `{word}`"))),
+        Kind::FloatOr(word) => (value == word
+            || value.parse::<f64>().map(|x| x.is_finite()).unwrap_or(false))
+        .then_some(())
+        .ok_or_else(|| bad(format!("expected a number or `{word}`"))),
         Kind::IntList => {
             if value.is_empty()
                 || value == "none"

@@ -600,3 +600,48 @@ fn d2o_keeps_a_fixed_size_and_beta_one_merges_every_decode_eviction() {
         }
     }
 }
+
+/// Two layers whose keys and values point the same way (layer b = 2 × layer a)
+/// merge losslessly up to f16 storage; the pair stores one direction and two
+/// norms per position and half: (d·16 + 2·16) bits instead of 2·d·16.
+#[test]
+fn minicache_merges_parallel_layers_losslessly_and_charges_one_direction() {
+    let a = random_layer(31, 4, 2, 8, 20, 24);
+    let mut b = random_layer(31, 4, 2, 8, 20, 24);
+    b.layer = 1;
+    a.k.iter()
+        .zip(b.k.iter_mut())
+        .for_each(|(x, y)| *y = 2.0 * x);
+    a.v.iter()
+        .zip(b.v.iter_mut())
+        .for_each(|(x, y)| *y = 2.0 * x);
+    let (mut a, mut b) = (a, b);
+    a.n_layers = 2;
+    b.n_layers = 2;
+    let p = PolicySpec::parse("minicache:start=0")
+        .unwrap()
+        .build()
+        .unwrap();
+    assert_eq!(p.layer_groups(2, 10, 20), vec![vec![0, 1]]);
+    let r = kvreplay_replay::engine::replay_group(&[a, b], p.as_ref(), 10).unwrap();
+    for l in &r {
+        for m in &l.metrics {
+            assert!(m.rel_l2 < 2e-3, "{m:?}"); // f16 rounding of directions and norms
+        }
+    }
+    // all 24 positions merged (identical directions: every dist is 0, nothing exceeds τ = 0)
+    let per_head_bits = 24 * 2 * (8 * 16 + 2 * 16);
+    assert_eq!((r[0].bytes + r[1].bytes) * 8, 2 * per_head_bits as u64);
+    // Mean-KV stores one vector per position and half
+    let p = PolicySpec::parse("minicache:start=0,merge=mean")
+        .unwrap()
+        .build()
+        .unwrap();
+    let (a2, mut b2) = (
+        random_layer(31, 4, 2, 8, 20, 24),
+        random_layer(32, 4, 2, 8, 20, 24),
+    );
+    b2.layer = 1;
+    let r = kvreplay_replay::engine::replay_group(&[a2, b2], p.as_ref(), 10).unwrap();
+    assert_eq!((r[0].bytes + r[1].bytes) * 8, 2 * 24 * 2 * 8 * 16);
+}

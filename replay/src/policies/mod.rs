@@ -14,6 +14,7 @@ pub mod full;
 pub mod h2o;
 pub mod knorm;
 pub mod kvmerger;
+pub mod minicache;
 pub mod pyramidkv;
 pub mod quant;
 pub mod random;
@@ -54,6 +55,7 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &ahakv::INFO,
     &kvmerger::INFO,
     &d2o::INFO,
+    &minicache::INFO,
     &quant::INFO,
 ];
 

@@ -199,8 +199,8 @@ impl Policy for Quant {
         ))
     }
 
-    fn layer_groups(&self, n_layers: usize) -> Vec<Vec<usize>> {
-        self.base.layer_groups(n_layers)
+    fn layer_groups(&self, n_layers: usize, budget: usize, prompt_len: usize) -> Vec<Vec<usize>> {
+        self.base.layer_groups(n_layers, budget, prompt_len)
     }
 
     fn prefill_group(
