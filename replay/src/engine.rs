@@ -67,7 +67,8 @@ pub struct HeadMetrics {
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct Retained {
     pub layer: usize,
-    /// The cache (KV) head.
+    /// The cache head: the KV head, or the query head for policies that keep
+    /// one cache per query head.
     pub head: usize,
     pub position: usize,
     /// Index of the entry that represents it.
@@ -103,6 +104,23 @@ impl ReplayResult {
     }
     pub fn full_bytes(&self) -> u64 {
         self.layers.iter().map(|l| l.full_bytes).sum()
+    }
+}
+
+/// The kernels' RoPE parameters for a trace's manifest entry.
+pub fn rope_params(r: &kvreplay_traces::Rope) -> kvreplay_kernels::cpu::RopeParams {
+    use kvreplay_kernels::cpu::{RopeParams, RopeStyle};
+    RopeParams {
+        theta: r.theta,
+        style: match r.style {
+            kvreplay_traces::RopeStyle::Neox => RopeStyle::Neox,
+            kvreplay_traces::RopeStyle::Interleaved => RopeStyle::Interleaved,
+        },
+        rotated_dims: r.rotated_dims,
+        linear_factor: match r.scaling {
+            kvreplay_traces::RopeScaling::None => 1.0,
+            kvreplay_traces::RopeScaling::Linear { factor } => factor,
+        },
     }
 }
 
@@ -145,6 +163,7 @@ fn load_layer_with(trace: &Trace, l: usize, all_colsum: Arc<Vec<Vec<f32>>>) -> L
         v: cat(m.model.n_kv_heads, |h| view.v(h)),
         colsum: all_colsum[l].clone(),
         all_colsum: Some(all_colsum),
+        rope: Some(rope_params(&m.model.rope)),
     }
 }
 
@@ -235,30 +254,47 @@ pub fn replay_group(
         datas.len()
     );
     for (c, d) in caches.iter().zip(datas) {
-        assert_eq!(
+        assert!(
+            c.len() == d.n_kv_heads || c.len() == d.n_heads,
+            "policy returned {} caches for {} KV heads / {} query heads",
             c.len(),
             d.n_kv_heads,
-            "policy returned {} caches for {} KV heads",
-            c.len(),
-            d.n_kv_heads
+            d.n_heads
         );
     }
+    // A policy returns one cache per KV head (shared by its query heads) or one
+    // per query head (each built from its KV head: the papers' repeat_kv mode).
+    let per_query: Vec<bool> = caches
+        .iter()
+        .zip(datas)
+        .map(|(c, d)| c.len() == d.n_heads && d.n_heads != d.n_kv_heads)
+        .collect();
+    let cache_of = |i: usize, h: usize| {
+        if per_query[i] {
+            h
+        } else {
+            h / datas[i].group()
+        }
+    };
     let mut full: Vec<Vec<HeadCache>> = ctxs.iter().map(|c| c.full_caches()).collect();
     let mut sums: Vec<Vec<[f64; 4]>> = datas.iter().map(|d| vec![[0f64; 4]; d.n_heads]).collect();
     let mut probs: Vec<Vec<Vec<f32>>> = datas.iter().map(|d| vec![Vec::new(); d.n_heads]).collect();
     for pos in p..t {
         for (i, data) in datas.iter().enumerate() {
             let group = data.group();
+            for (c, cache) in caches[i].iter_mut().enumerate() {
+                let g = if per_query[i] { c / group } else { c };
+                cache.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
+            }
             for g in 0..data.n_kv_heads {
-                caches[i][g].push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
                 full[i][g].push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
             }
             for h in 0..data.n_heads {
-                let g = h / group;
+                let (g, c) = (h / group, cache_of(i, h));
                 let q = data.q_row(h, pos);
-                let (o_c, c_w, c_z) = attend(q, &caches[i][g], data.scale);
+                let (o_c, c_w, c_z) = attend(q, &caches[i][c], data.scale);
                 let (o_f, f_w, f_z) = attend(q, &full[i][g], data.scale);
-                let m = step_metrics(&o_c, &o_f, &caches[i][g], &c_w, c_z, &f_w, f_z);
+                let m = step_metrics(&o_c, &o_f, &caches[i][c], &c_w, c_z, &f_w, f_z);
                 for (s, x) in sums[i][h].iter_mut().zip([m.0, m.1, m.2, m.3]) {
                     *s += x;
                 }
@@ -289,8 +325,8 @@ pub fn replay_group(
         .iter()
         .zip(&caches)
         .zip(&sums)
-        .map(|((data, caches), sums)| {
-            let group = data.group();
+        .enumerate()
+        .map(|(i, ((data, caches), sums))| {
             let metrics = (0..data.n_heads)
                 .map(|h| HeadMetrics {
                     layer: data.layer,
@@ -299,7 +335,7 @@ pub fn replay_group(
                     cosine: sums[h][1] / steps,
                     attn_mass: sums[h][2] / steps,
                     kl: sums[h][3] / steps,
-                    bytes: caches[h / group].bytes(),
+                    bytes: caches[cache_of(i, h)].bytes(),
                 })
                 .collect();
             let mut retained = Vec::new();

@@ -35,6 +35,9 @@ pub struct LayerData {
     /// live model also has at the end of prefill (for cross-layer budgets).
     /// None when a layer is replayed on its own.
     pub all_colsum: Option<std::sync::Arc<Vec<Vec<f32>>>>,
+    /// The model's rotary embedding (to undo or redo the rotation of stored
+    /// keys); None when unknown.
+    pub rope: Option<kvreplay_kernels::cpu::RopeParams>,
 }
 
 impl LayerData {
@@ -109,6 +112,18 @@ impl<'a> PrefillCtx<'a> {
     /// Softmax scale of the model's logits.
     pub fn scale(&self) -> f32 {
         self.data.scale
+    }
+    /// The model's rotary embedding, when the trace records it.
+    pub fn rope(&self) -> Option<kvreplay_kernels::cpu::RopeParams> {
+        self.data.rope
+    }
+    /// Query of prompt position `i < P` of query head `h`.
+    pub fn query(&self, h: usize, i: usize) -> &[f32] {
+        assert!(
+            i < self.data.prompt_len,
+            "policy asked for query {i} beyond the prompt"
+        );
+        self.data.q_row(h, i)
     }
     /// Column sums of query head `h` in layer `l` of the same trace: (P,).
     /// None when the layer is replayed without its trace.

@@ -10,4 +10,4 @@ pub use attention::{causal_attention_head, AttentionStats};
 pub use dequant::{dequantize, BlockType};
 pub use linear::linear;
 pub use norm::{argmax, rms_norm, silu_mul};
-pub use rope::{apply_rope, RopeParams, RopeStyle};
+pub use rope::{apply_rope, unapply_rope, RopeParams, RopeStyle};

@@ -31,6 +31,15 @@ impl RopeParams {
 
 /// Rotate `x` (rows, n_heads, head_dim) in place; row r is at position `pos0 + r`.
 pub fn apply_rope(x: &mut [f32], n_heads: usize, head_dim: usize, pos0: usize, p: &RopeParams) {
+    rotate(x, n_heads, head_dim, pos0, p, 1.0)
+}
+
+/// Undo [`apply_rope`]: rotate every row back by its position's angles.
+pub fn unapply_rope(x: &mut [f32], n_heads: usize, head_dim: usize, pos0: usize, p: &RopeParams) {
+    rotate(x, n_heads, head_dim, pos0, p, -1.0)
+}
+
+fn rotate(x: &mut [f32], n_heads: usize, head_dim: usize, pos0: usize, p: &RopeParams, sign: f64) {
     assert!(
         p.rotated_dims <= head_dim && p.rotated_dims.is_multiple_of(2),
         "rope: bad rotated_dims"
@@ -45,7 +54,7 @@ pub fn apply_rope(x: &mut [f32], n_heads: usize, head_dim: usize, pos0: usize, p
     let mut cs = vec![(0f32, 0f32); half];
     for (r, row) in x.chunks_exact_mut(row_len).enumerate() {
         for (i, c) in cs.iter_mut().enumerate() {
-            let a = p.angle(pos0 + r, i);
+            let a = sign * p.angle(pos0 + r, i);
             *c = (a.cos() as f32, a.sin() as f32);
         }
         for head in row.chunks_exact_mut(head_dim) {
@@ -119,6 +128,23 @@ mod tests {
         let mut b = deinterleave(&v);
         apply_rope(&mut b, 2, d, 7, &p_n);
         assert_eq!(deinterleave(&a), b);
+    }
+
+    #[test]
+    fn unapply_inverts_apply() {
+        let p = RopeParams {
+            theta: 10000.0,
+            style: RopeStyle::Neox,
+            rotated_dims: 8,
+            linear_factor: 1.0,
+        };
+        let x: Vec<f32> = (0..16).map(|i| (i as f32 * 0.3).cos()).collect();
+        let mut y = x.clone();
+        apply_rope(&mut y, 1, 8, 1234, &p);
+        unapply_rope(&mut y, 1, 8, 1234, &p);
+        for (a, b) in x.iter().zip(&y) {
+            assert!((a - b).abs() < 1e-5);
+        }
     }
 
     #[test]

@@ -56,6 +56,7 @@ pub fn simple_layer(
         v,
         colsum,
         all_colsum: None,
+        rope: None,
     }
 }
 
@@ -116,6 +117,7 @@ pub fn random_layer(seed: u64, nh: usize, nkv: usize, d: usize, p: usize, t: usi
         v,
         colsum,
         all_colsum: None,
+        rope: None,
     }
 }
 
