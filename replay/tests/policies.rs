@@ -21,13 +21,17 @@ fn run_steps(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<HeadCache>>
     let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
     let (mut caches, mut state) = policy.prefill(&PrefillCtx::new(data, budget)).unwrap();
     let mut out = vec![caches.clone()];
+    // One cache per KV head, or one per query head (as the engine decides).
+    let per_query = caches.len() == data.n_heads && data.n_heads != data.n_kv_heads;
+    let cache_of = |h: usize| if per_query { h } else { h / data.group() };
     for pos in data.prompt_len..data.total_len {
-        for (g, c) in caches.iter_mut().enumerate() {
-            c.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
+        for (c, cache) in caches.iter_mut().enumerate() {
+            let g = if per_query { c / data.group() } else { c };
+            cache.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
         }
         let probs: Vec<Vec<f32>> = (0..data.n_heads)
             .map(|h| {
-                let (_, w, z) = attend(data.q_row(h, pos), &caches[h / data.group()], data.scale);
+                let (_, w, z) = attend(data.q_row(h, pos), &caches[cache_of(h)], data.scale);
                 w.iter().map(|x| (x / z) as f32).collect()
             })
             .collect();
@@ -284,9 +288,11 @@ fn every_policy_at_a_covering_budget_equals_full() {
     // quant changes values at any budget; d2o clamps every layer's capacity at the
     // prompt length (d2o.md §2.1: r_l <= 1), so it holds P entries during decode
     // whatever the budget: its prefill keeps everything (checked below).
+    // ems re-expands every key from a stored direction and norm, exact only up to
+    // f32 rounding: ems_singletons_reproduce_full_attention covers it with a tolerance.
     for info in REGISTRY
         .iter()
-        .filter(|i| i.name != "quant" && i.name != "d2o")
+        .filter(|i| !["quant", "d2o", "ems"].contains(&i.name))
     {
         let p = PolicySpec::parse(info.name).unwrap().build().unwrap();
         let r = replay_layer(&data, p.as_ref(), 46).unwrap();
@@ -644,4 +650,124 @@ fn minicache_merges_parallel_layers_losslessly_and_charges_one_direction() {
     b2.layer = 1;
     let r = kvreplay_replay::engine::replay_group(&[a2, b2], p.as_ref(), 10).unwrap();
     assert_eq!((r[0].bytes + r[1].bytes) * 8, 2 * 24 * 2 * 8 * 16);
+}
+
+fn with_rope(mut d: LayerData) -> LayerData {
+    use kvreplay_kernels::cpu::{RopeParams, RopeStyle};
+    d.rope = Some(RopeParams {
+        theta: 10000.0,
+        style: RopeStyle::Neox,
+        rotated_dims: d.d,
+        linear_factor: 1.0,
+    });
+    d
+}
+
+/// EMS: with N + T <= N_budget + 1 nothing is demoted before the last output,
+/// so every decode output equals full attention up to the f32 rounding of the
+/// RoPE⁻¹/RoPE round trip of raw-space keys (ems.md §2.5).
+#[test]
+fn ems_singletons_reproduce_full_attention() {
+    let data = with_rope(random_layer(41, 4, 2, 8, 20, 26));
+    for spec in [
+        "ems",
+        "ems:gqa_mode=per_kv_head",
+        "ems:merge_space=post_rope",
+    ] {
+        let p = PolicySpec::parse(spec).unwrap().build().unwrap();
+        let r = replay_layer(&data, p.as_ref(), 25).unwrap();
+        for m in &r.metrics {
+            assert!(m.rel_l2 < 1e-5, "{spec}: {m:?}");
+        }
+    }
+}
+
+/// Slots (engine entries) and stored entries (slots charged 2·d·16 bits) of one head.
+fn ems_counts(c: &HeadCache, d: usize) -> (usize, usize) {
+    (
+        c.len(),
+        c.bits
+            .iter()
+            .filter(|b| **b >= HeadCache::exact_bits(d))
+            .count(),
+    )
+}
+
+#[test]
+fn ems_invariants_and_threshold_extremes() {
+    let data = with_rope(random_layer(43, 4, 2, 8, 60, 72));
+    let (b, l) = (16usize, 4usize);
+    // γ = 2: N_tbm = 16, S_max = 32; N_imp = 12
+    for spec in [
+        "ems:window=4,gamma=2",
+        "ems:window=4,gamma=2,tau=0",
+        "ems:window=4,gamma=2,gqa_mode=per_kv_head",
+    ] {
+        let steps = run_steps(spec, &data, b);
+        for (i, caches) in steps.iter().enumerate() {
+            for c in caches {
+                let (slots, entries) = ems_counts(c, 8);
+                assert!(
+                    entries <= b && slots <= 32,
+                    "{spec} step {i}: {entries} entries, {slots} slots"
+                );
+            }
+        }
+    }
+    // τ = 0 merges every to-be-merged token: 12 centres + 16 members + 4 window slots
+    let steps = run_steps("ems:window=4,gamma=2,tau=0", &data, b);
+    assert_eq!(ems_counts(&steps[0][0], 8), (12 + 16 + l, b));
+    // τ ≥ 1 and γ = 1 are both pure eviction: identical caches at every step
+    let x = run_steps("ems:window=4,gamma=2,tau=1", &data, b);
+    let y = run_steps("ems:window=4,gamma=1", &data, b);
+    for (i, (cx, cy)) in x.iter().zip(&y).enumerate() {
+        for (a, c) in cx.iter().zip(cy) {
+            assert_eq!(a.positions(), c.positions(), "step {i}");
+            assert_eq!(a.keys, c.keys, "step {i}");
+        }
+    }
+}
+
+/// A to-be-merged token whose key and value are positive multiples of a centre's
+/// merges into that centre for any τ < 1 (R = 1).
+#[test]
+fn ems_merges_a_scaled_copy_of_a_centre() {
+    let mut data = with_rope(random_layer(47, 1, 1, 8, 40, 41));
+    // post-RoPE similarity so that a scaled copy has cosine exactly 1 in key space
+    let (d, t) = (8, 41);
+    let (src, dst) = (5usize, 6usize);
+    for c in 0..d {
+        data.k[dst * d + c] = 0.5 * data.k[src * d + c];
+        data.v[dst * d + c] = 2.0 * data.v[src * d + c];
+    }
+    let _ = t;
+    // Make 5 important (large score) and 6 unimportant but within the to-be-merged band.
+    let p = 40;
+    data.colsum = (0..p)
+        .map(|i| {
+            if i == src {
+                10.0
+            } else if i == dst {
+                0.05
+            } else {
+                0.1 + (i as f32) * 0.001
+            }
+        })
+        .collect();
+    let pol = PolicySpec::parse(
+        "ems:window=4,gamma=100,tau=0.99,merge_space=post_rope,kernel=1,score=global",
+    )
+    .unwrap()
+    .build()
+    .unwrap();
+    let (caches, _) = pol.prefill(&PrefillCtx::new(&data, 8)).unwrap();
+    let c = &caches[0];
+    let pos = c.positions();
+    assert!(pos.contains(&dst), "the copy kept a slot: {pos:?}");
+    let (i5, i6) = (
+        pos.iter().position(|&x| x == src).unwrap(),
+        pos.iter().position(|&x| x == dst).unwrap(),
+    );
+    // same stored entry: identical value vectors, one charged 2·d·16 bits
+    assert_eq!(c.value(i5), c.value(i6));
 }

@@ -10,6 +10,7 @@ pub mod adakv;
 pub mod ahakv;
 pub mod cam;
 pub mod d2o;
+pub mod ems;
 pub mod full;
 pub mod h2o;
 pub mod knorm;
@@ -56,6 +57,7 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &kvmerger::INFO,
     &d2o::INFO,
     &minicache::INFO,
+    &ems::INFO,
     &quant::INFO,
 ];
 

@@ -1,0 +1,703 @@
+//! EMS: evict-then-merge with a global-local score, head-wise.
+//!
+//! Rule (../shared/specs/ems.md §2): per head, score tokens by
+//! s = max(α·s_glo, s_loc) (accumulated attention over all prompt queries,
+//! rescaled to the mean of the last-L_win-queries attention s_loc). After
+//! prefill the older tokens split by the mean-pooled score into N_imp class
+//! centres, N_tbm to-be-merged tokens and the evicted rest; the last L_win are
+//! a window. Each to-be-merged token joins the centre with the largest
+//! cos⁺(keys)·cos⁺(values) if that reaches τ, else it is evicted (zero class).
+//! A centre stores one score-weighted unit key direction (in raw, pre-RoPE
+//! space) and a weighted value; every member keeps a slot with its own key
+//! norm, re-rotated at its own position when attended (about γ·N_budget slots
+//! attend, N_budget entries are stored). Each decode step the token leaving the
+//! window becomes a centre, the least important centre is merged into its most
+//! similar centre (or freed), and the slot table is capped at γ·N_budget.
+
+use std::sync::Arc;
+
+use kvreplay_kernels::cpu::{apply_rope, unapply_rope, RopeParams};
+
+use super::PolicyInfo;
+use crate::cache::{HeadCache, F16_BITS};
+use crate::policy::{mean_rows, pool1d, DecodeState, Policy, Pool, PrefillCtx, StepCtx};
+use crate::spec::{Kind, ParamInfo, Params};
+use crate::ReplayError;
+
+pub static INFO: PolicyInfo = PolicyInfo {
+    name: "ems",
+    summary: "head-wise evict-then-merge: global-local scores pick class centres; similar tokens merge into them, the rest are evicted",
+    paper: "EMS: Adaptive Evict-then-Merge Strategy for Head-wise KV Cache Compression Based on Global-Local Importance (Li et al., arXiv 2412.08521)",
+    params: &[
+        ParamInfo { name: "window", default: "auto", kind: Kind::IntOr("auto"), help: "L_win: window kept and used for s_loc; auto = min(32, ⌊B/2⌋) (paper 32, requires B > L_win)" },
+        ParamInfo { name: "tau", default: "0.6", kind: Kind::Float, help: "merge threshold on cos⁺·cos⁺ (≥ 1 evicts every candidate)" },
+        ParamInfo { name: "gamma", default: "4", kind: Kind::FloatOr("inf"), help: "magnification: slots ≤ γ·N_budget, to-be-merged N_tbm = ⌊(γ−1)·N_budget⌋" },
+        ParamInfo { name: "kernel", default: "7", kind: Kind::Int, help: "mean-pool width of the prefill ranking (odd)" },
+        ParamInfo { name: "sim_pos", default: "false", kind: Kind::Bool, help: "similarity on post-RoPE keys (\"w. pos\") instead of raw keys" },
+        ParamInfo { name: "gqa_mode", default: "per_query_head", kind: Kind::Choice(&["per_query_head", "per_kv_head"]), help: "one cache per query head (paper) or per KV head with group-mean attention" },
+        ParamInfo { name: "merge_space", default: "raw", kind: Kind::Choice(&["raw", "post_rope"]), help: "merge un-rotated keys and re-rotate each member, or merge the captured keys" },
+        ParamInfo { name: "demote_rank", default: "cluster_sum", kind: Kind::Choice(&["cluster_sum", "anchor_slot"]), help: "which centre is demoted at decode" },
+        ParamInfo { name: "score", default: "global_local", kind: Kind::Choice(&["global_local", "global", "local"]), help: "Table 4 ablation of the score" },
+        ParamInfo { name: "similarity", default: "key_value", kind: Kind::Choice(&["key_value", "key", "value"]), help: "Table 8 ablation of the redundancy measure" },
+    ],
+    wrapper: false,
+    build: |p, inner| {
+        super::base_only(p, inner)?;
+        Ok(Arc::new(Ems::from_params(p)?))
+    },
+};
+
+#[derive(Clone, Debug)]
+pub struct Ems {
+    pub window: Option<usize>,
+    pub tau: f64,
+    /// None = infinite.
+    pub gamma: Option<f64>,
+    pub kernel: usize,
+    pub sim_pos: bool,
+    pub per_query_head: bool,
+    pub raw_space: bool,
+    pub anchor_slot: bool,
+    /// 0 global-local, 1 global, 2 local
+    pub score: u8,
+    /// 0 key·value, 1 key, 2 value
+    pub similarity: u8,
+}
+
+impl Ems {
+    fn from_params(p: &Params) -> Result<Ems, ReplayError> {
+        let bad = |k: &str, v: String, m: &str| ReplayError::BadParam {
+            policy: "ems".into(),
+            key: k.into(),
+            value: v,
+            msg: m.into(),
+        };
+        let gamma = match p.word("gamma") {
+            "inf" => None,
+            _ => Some(p.float("gamma")?),
+        };
+        if gamma.is_some_and(|g| g < 1.0) {
+            return Err(bad("gamma", p.word("gamma").into(), "must be at least 1"));
+        }
+        let kernel = p.int("kernel")?;
+        if kernel % 2 == 0 {
+            return Err(bad(
+                "kernel",
+                kernel.to_string(),
+                "the pooling kernel must be odd",
+            ));
+        }
+        let raw_space = p.word("merge_space") == "raw";
+        let sim_pos = p.bool("sim_pos")?;
+        Ok(Ems {
+            window: if p.word("window") == "auto" {
+                None
+            } else {
+                Some(p.int("window")?)
+            },
+            tau: p.float("tau")?,
+            gamma,
+            kernel,
+            // with post-RoPE merging there are no raw keys to compare: similarity is positional
+            sim_pos: sim_pos || !raw_space,
+            per_query_head: p.word("gqa_mode") == "per_query_head",
+            raw_space,
+            anchor_slot: p.word("demote_rank") == "anchor_slot",
+            score: match p.word("score") {
+                "global" => 1,
+                "local" => 2,
+                _ => 0,
+            },
+            similarity: match p.word("similarity") {
+                "key" => 1,
+                "value" => 2,
+                _ => 0,
+            },
+        })
+    }
+
+    fn window(&self, b: usize) -> usize {
+        self.window.unwrap_or(32.min(b / 2))
+    }
+}
+
+const EPS: f64 = 1e-6;
+
+fn norm(x: &[f32]) -> f64 {
+    x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt()
+}
+
+/// max(cos, 0)
+fn cos_plus(a: &[f32], b: &[f32]) -> f64 {
+    let ab: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    (ab / (norm(a) * norm(b) + EPS)).max(0.0)
+}
+
+fn unit(x: &[f64]) -> Vec<f32> {
+    let n = x.iter().map(|v| v * v).sum::<f64>().sqrt();
+    x.iter().map(|v| (v / (n + EPS)) as f32).collect()
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    dir: Vec<f32>,
+    val: Vec<f32>,
+    window: bool,
+    anchor: usize,
+}
+
+#[derive(Clone, Debug)]
+struct Slot {
+    pos: usize,
+    entry: usize,
+    knorm: f32,
+    s_glo: f64,
+    s_loc_past: f64,
+    s_loc_cur: f64,
+}
+
+/// One head's state: stored entries (by id; None once deleted) and active slots in position order.
+struct HeadState {
+    entries: Vec<Option<Entry>>,
+    slots: Vec<Slot>,
+    loc_counter: usize,
+}
+
+struct Shape {
+    d: usize,
+    n_budget: usize,
+    n_imp: usize,
+    n_tbm: usize,
+    s_max: usize,
+    l_win: usize,
+    rope: Option<RopeParams>,
+}
+
+impl Ems {
+    /// Key as merged: raw (un-rotated at its position) or as captured.
+    fn key_space(&self, k: &[f32], pos: usize, rope: &Option<RopeParams>) -> Vec<f32> {
+        let mut x = k.to_vec();
+        if self.raw_space {
+            let d = x.len();
+            unapply_rope(
+                &mut x,
+                1,
+                d,
+                pos,
+                rope.as_ref().expect("checked at prefill"),
+            );
+        }
+        x
+    }
+
+    /// Similarity vector of an entry's direction (positional with sim_pos in raw space).
+    fn sim_vec(&self, dir: &[f32], anchor: usize, rope: &Option<RopeParams>) -> Vec<f32> {
+        let mut x = dir.to_vec();
+        if self.sim_pos && self.raw_space {
+            let d = x.len();
+            apply_rope(
+                &mut x,
+                1,
+                d,
+                anchor,
+                rope.as_ref().expect("checked at prefill"),
+            );
+        }
+        x
+    }
+
+    fn redundancy(&self, ka: &[f32], va: &[f32], kb: &[f32], vb: &[f32]) -> f64 {
+        match self.similarity {
+            1 => cos_plus(ka, kb),
+            2 => cos_plus(va, vb),
+            _ => cos_plus(ka, kb) * cos_plus(va, vb),
+        }
+    }
+
+    fn combine(&self, alpha: f64, glo: f64, loc: f64) -> f64 {
+        match self.score {
+            1 => glo,
+            2 => loc,
+            _ => (alpha * glo).max(loc),
+        }
+    }
+
+    /// Build one head's state after prefill. `g` is the KV head; `s_glo`,
+    /// `s_loc` are this head's scores over prompt positions.
+    fn build(
+        &self,
+        ctx: &PrefillCtx,
+        g: usize,
+        s_glo: &[f64],
+        s_loc: &[f64],
+        sh: &Shape,
+    ) -> HeadState {
+        let n = ctx.prompt_len();
+        let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+        let alpha = mean(s_loc) / mean(s_glo).max(1e-30);
+        let s: Vec<f64> = (0..n)
+            .map(|j| self.combine(alpha, s_glo[j], s_loc[j]))
+            .collect();
+        let k_tilde: Vec<Vec<f32>> = (0..n)
+            .map(|j| self.key_space(ctx.key(g, j), j, &sh.rope))
+            .collect();
+        let mut st = HeadState {
+            entries: Vec::new(),
+            slots: Vec::new(),
+            loc_counter: 0,
+        };
+        let add_entry = |st: &mut HeadState,
+                         dir: Vec<f32>,
+                         val: Vec<f32>,
+                         window: bool,
+                         anchor: usize,
+                         members: &[usize]| {
+            let id = st.entries.len();
+            st.entries.push(Some(Entry {
+                dir,
+                val,
+                window,
+                anchor,
+            }));
+            for &j in members {
+                st.slots.push(Slot {
+                    pos: j,
+                    entry: id,
+                    knorm: norm(ctx.key(g, j)) as f32,
+                    s_glo: s_glo[j],
+                    s_loc_past: s_loc[j],
+                    s_loc_cur: 0.0,
+                });
+            }
+        };
+        let singleton = |j: usize| unit(&k_tilde[j].iter().map(|x| *x as f64).collect::<Vec<_>>());
+        let lw = sh.l_win.min(n);
+        if n <= sh.n_budget {
+            for j in 0..n {
+                add_entry(
+                    &mut st,
+                    singleton(j),
+                    ctx.value(g, j).to_vec(),
+                    j >= n - lw,
+                    j,
+                    &[j],
+                );
+            }
+        } else {
+            let c_len = n - lw;
+            let pooled = pool1d(
+                &s[..c_len].iter().map(|x| *x as f32).collect::<Vec<_>>(),
+                self.kernel,
+                Pool::Avg,
+            );
+            let mut order: Vec<usize> = (0..c_len).collect();
+            order.sort_by(|&a, &b| {
+                pooled[b]
+                    .partial_cmp(&pooled[a])
+                    .unwrap_or(std::cmp::Ordering::Equal)
+                    .then(a.cmp(&b))
+            });
+            let mut imp: Vec<usize> = order[..sh.n_imp.min(c_len)].to_vec();
+            imp.sort_unstable();
+            let tbm_n = sh.n_tbm.min(c_len - imp.len());
+            let tbm = &order[imp.len()..imp.len() + tbm_n];
+            let ksim: Vec<Vec<f32>> = (0..n)
+                .map(|j| {
+                    if self.sim_pos {
+                        ctx.key(g, j).to_vec()
+                    } else {
+                        k_tilde[j].clone()
+                    }
+                })
+                .collect();
+            let mut members: Vec<Vec<usize>> = imp.iter().map(|&c| vec![c]).collect();
+            if self.tau < 1.0 {
+                for &i in tbm {
+                    let mut best = (0usize, -1.0f64);
+                    for (ci, &c) in imp.iter().enumerate() {
+                        let r =
+                            self.redundancy(&ksim[i], ctx.value(g, i), &ksim[c], ctx.value(g, c));
+                        if r > best.1 {
+                            best = (ci, r);
+                        }
+                    }
+                    if best.1 >= self.tau {
+                        members[best.0].push(i);
+                    }
+                }
+            }
+            // One entry per centre (members merged), then the window, in position order of anchors.
+            let d = sh.d;
+            for (ci, &c) in imp.iter().enumerate() {
+                let mut m = members[ci].clone();
+                m.sort_unstable();
+                let total: f64 = m.iter().map(|&j| s[j]).sum();
+                let w: Vec<f64> = if total > 0.0 {
+                    m.iter().map(|&j| s[j] / total).collect()
+                } else {
+                    vec![1.0 / m.len() as f64; m.len()]
+                };
+                let (mut dir, mut val) = (vec![0f64; d], vec![0f64; d]);
+                for (&j, wj) in m.iter().zip(&w) {
+                    let kn = norm(&k_tilde[j]) + EPS;
+                    for x in 0..d {
+                        dir[x] += wj * k_tilde[j][x] as f64 / kn;
+                        val[x] += wj * ctx.value(g, j)[x] as f64;
+                    }
+                }
+                add_entry(
+                    &mut st,
+                    unit(&dir),
+                    val.iter().map(|x| *x as f32).collect(),
+                    false,
+                    c,
+                    &m,
+                );
+            }
+            for j in c_len..n {
+                add_entry(
+                    &mut st,
+                    singleton(j),
+                    ctx.value(g, j).to_vec(),
+                    true,
+                    j,
+                    &[j],
+                );
+            }
+            st.slots.sort_by_key(|x| x.pos);
+        }
+        st
+    }
+
+    /// The engine's view of a head: one entry per active slot, in slot order.
+    fn expand(&self, st: &HeadState, sh: &Shape) -> HeadCache {
+        let d = sh.d;
+        let aux = F16_BITS + ((sh.n_budget + 1) as f64).log2().ceil() as u64;
+        let mut c = HeadCache::new(d);
+        let mut charged = vec![false; st.entries.len()];
+        for s in &st.slots {
+            let e = st.entries[s.entry]
+                .as_ref()
+                .expect("slots point at live entries");
+            let mut key: Vec<f32> = e.dir.iter().map(|x| x * s.knorm).collect();
+            if self.raw_space {
+                apply_rope(&mut key, 1, d, s.pos, sh.rope.as_ref().expect("checked"));
+            }
+            c.keys.extend_from_slice(&key);
+            c.values.extend_from_slice(&e.val);
+            c.bias.push(0.0);
+            c.members.push(vec![s.pos as u32]);
+            let entry_bits = if charged[s.entry] {
+                0
+            } else {
+                HeadCache::exact_bits(d)
+            };
+            charged[s.entry] = true;
+            c.bits.push(entry_bits + aux);
+        }
+        c
+    }
+}
+
+impl Policy for Ems {
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+        let (n, b, gs, d) = (ctx.prompt_len(), ctx.budget, ctx.group(), ctx.head_dim());
+        let l_win = self.window(b);
+        if b <= l_win {
+            return Err(ReplayError::BadParam {
+                policy: "ems".into(),
+                key: "window".into(),
+                value: l_win.to_string(),
+                msg: format!("N_budget {b} must exceed the window L_win = {l_win}; lower `window` or raise the budget"),
+            });
+        }
+        if self.raw_space && ctx.rope().is_none() {
+            return Err(ReplayError::BadParam {
+                policy: "ems".into(),
+                key: "merge_space".into(),
+                value: "raw".into(),
+                msg:
+                    "needs the trace's RoPE parameters to un-rotate keys; use merge_space=post_rope"
+                        .into(),
+            });
+        }
+        let n_tbm = match self.gamma {
+            None => usize::MAX / 4,
+            Some(g) => ((g - 1.0) * b as f64).floor() as usize,
+        };
+        let sh = Shape {
+            d,
+            n_budget: b,
+            n_imp: b - l_win,
+            n_tbm,
+            s_max: b.saturating_add(n_tbm),
+            l_win,
+            rope: ctx.rope(),
+        };
+        // Scores per query head: column sums and last-window column sums.
+        let lw = l_win.min(n);
+        let per_head: Vec<(Vec<f64>, Vec<f64>)> = (0..ctx.n_heads())
+            .map(|h| {
+                let glo: Vec<f64> = ctx.colsum(h).iter().map(|x| *x as f64).collect();
+                let rows = ctx.attn_rows(h, n - lw..n);
+                let mut loc = vec![0f64; n];
+                for row in rows.chunks_exact(n) {
+                    loc.iter_mut().zip(row).for_each(|(a, x)| *a += *x as f64);
+                }
+                (glo, loc)
+            })
+            .collect();
+        let mut states = Vec::new();
+        if self.per_query_head {
+            for (h, (glo, loc)) in per_head.iter().enumerate() {
+                states.push(self.build(ctx, h / gs, glo, loc, &sh));
+            }
+        } else {
+            for g in 0..ctx.n_kv_heads() {
+                let mean = |f: &dyn Fn(&(Vec<f64>, Vec<f64>)) -> &Vec<f64>| -> Vec<f64> {
+                    let rows: Vec<Vec<f32>> = per_head[g * gs..(g + 1) * gs]
+                        .iter()
+                        .map(|x| f(x).iter().map(|v| *v as f32).collect())
+                        .collect();
+                    mean_rows(rows.iter().map(|r| r.as_slice()))
+                        .iter()
+                        .map(|v| *v as f64)
+                        .collect()
+                };
+                states.push(self.build(ctx, g, &mean(&|x| &x.0), &mean(&|x| &x.1), &sh));
+            }
+        }
+        let caches = states.iter().map(|st| self.expand(st, &sh)).collect();
+        Ok((
+            caches,
+            Box::new(Decode {
+                cfg: self.clone(),
+                sh,
+                states,
+            }),
+        ))
+    }
+}
+
+struct Decode {
+    cfg: Ems,
+    sh: Shape,
+    states: Vec<HeadState>,
+}
+
+impl Decode {
+    fn sgl(&self, st: &HeadState) -> Vec<f64> {
+        let n = st.slots.len() as f64;
+        let mg = st.slots.iter().map(|s| s.s_glo).sum::<f64>() / n;
+        let ml = st
+            .slots
+            .iter()
+            .map(|s| s.s_loc_past + s.s_loc_cur)
+            .sum::<f64>()
+            / n;
+        let alpha = ml / mg.max(1e-30);
+        st.slots
+            .iter()
+            .map(|s| self.cfg.combine(alpha, s.s_glo, s.s_loc_past + s.s_loc_cur))
+            .collect()
+    }
+}
+
+impl DecodeState for Decode {
+    fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
+        let gs = ctx.group;
+        for hi in 0..self.states.len() {
+            let a: Vec<f32> = if self.cfg.per_query_head {
+                ctx.probs[hi].clone()
+            } else {
+                ctx.group_mean(hi)
+            };
+            let c = &caches[hi];
+            let last = c.len() - 1;
+            let (k_new, v_new) = (c.key(last).to_vec(), c.value(last).to_vec());
+            let _ = gs;
+            let (cfg, sh) = (&self.cfg, &self.sh);
+            let st = &mut self.states[hi];
+            // 1. the new token: a window entry and its slot
+            let kt = cfg.key_space(&k_new, ctx.pos, &sh.rope);
+            let id = st.entries.len();
+            st.entries.push(Some(Entry {
+                dir: unit(&kt.iter().map(|x| *x as f64).collect::<Vec<_>>()),
+                val: v_new,
+                window: true,
+                anchor: ctx.pos,
+            }));
+            st.slots.push(Slot {
+                pos: ctx.pos,
+                entry: id,
+                knorm: norm(&k_new) as f32,
+                s_glo: 0.0,
+                s_loc_past: 0.0,
+                s_loc_cur: 0.0,
+            });
+            // 3. scores (a covers every active slot, the new one last)
+            for (s, x) in st.slots.iter_mut().zip(&a) {
+                s.s_glo += *x as f64;
+                s.s_loc_cur += *x as f64;
+            }
+            st.loc_counter += 1;
+            if st.loc_counter == sh.l_win {
+                for s in st.slots.iter_mut() {
+                    s.s_loc_past = s.s_loc_cur;
+                    s.s_loc_cur = 0.0;
+                }
+                st.loc_counter = 0;
+            }
+            // 4. the oldest window entry beyond L_win becomes a centre
+            let mut windows: Vec<usize> = (0..st.entries.len())
+                .filter(|&e| st.entries[e].as_ref().is_some_and(|x| x.window))
+                .collect();
+            windows.sort_by_key(|&e| st.entries[e].as_ref().unwrap().anchor);
+            if windows.len() > sh.l_win {
+                st.entries[windows[0]].as_mut().unwrap().window = false;
+            }
+            // 5. demote the least important centre
+            let centres: Vec<usize> = (0..st.entries.len())
+                .filter(|&e| st.entries[e].as_ref().is_some_and(|x| !x.window))
+                .collect();
+            if centres.len() > sh.n_imp {
+                let sgl = self.sgl_of(hi);
+                let st = &mut self.states[hi];
+                let cluster = |e: usize| -> f64 {
+                    st.slots
+                        .iter()
+                        .zip(&sgl)
+                        .filter(|(s, _)| s.entry == e)
+                        .map(|(_, v)| v)
+                        .sum()
+                };
+                let rank = |e: usize| -> f64 {
+                    if cfg.anchor_slot {
+                        let anchor = st.entries[e].as_ref().unwrap().anchor;
+                        let own = st
+                            .slots
+                            .iter()
+                            .zip(&sgl)
+                            .find(|(s, _)| s.entry == e && s.pos == anchor)
+                            .map(|x| *x.1);
+                        own.unwrap_or_else(|| {
+                            st.slots
+                                .iter()
+                                .zip(&sgl)
+                                .filter(|(s, _)| s.entry == e)
+                                .map(|x| *x.1)
+                                .fold(f64::MIN, f64::max)
+                        })
+                    } else {
+                        cluster(e)
+                    }
+                };
+                let anchor = |e: usize| st.entries[e].as_ref().unwrap().anchor;
+                let c = *centres
+                    .iter()
+                    .min_by(|&&x, &&y| {
+                        rank(x)
+                            .partial_cmp(&rank(y))
+                            .unwrap_or(std::cmp::Ordering::Equal)
+                            .then(anchor(x).cmp(&anchor(y)))
+                    })
+                    .unwrap();
+                let mut target = None;
+                if sh.n_tbm > 0 && cfg.tau < 1.0 {
+                    let ec = st.entries[c].as_ref().unwrap();
+                    let sc = cfg.sim_vec(&ec.dir, ec.anchor, &sh.rope);
+                    let mut best: Option<(usize, f64)> = None;
+                    for &e in centres.iter().filter(|&&e| e != c) {
+                        let ee = st.entries[e].as_ref().unwrap();
+                        let r = cfg.redundancy(
+                            &sc,
+                            &ec.val,
+                            &cfg.sim_vec(&ee.dir, ee.anchor, &sh.rope),
+                            &ee.val,
+                        );
+                        let better = match best {
+                            None => true,
+                            Some((b, rb)) => r > rb || (r == rb && ee.anchor < anchor(b)),
+                        };
+                        if better {
+                            best = Some((e, r));
+                        }
+                    }
+                    if let Some((e, r)) = best {
+                        if r >= cfg.tau {
+                            target = Some(e);
+                        }
+                    }
+                }
+                match target {
+                    Some(t) => {
+                        let (s_t, s_c) = (cluster(t), cluster(c));
+                        let ec = st.entries[c].clone().unwrap();
+                        let et = st.entries[t].as_mut().unwrap();
+                        let den = s_t + s_c;
+                        let (wt, wc) = if den > 0.0 {
+                            (s_t / den, s_c / den)
+                        } else {
+                            (0.5, 0.5)
+                        };
+                        let dir: Vec<f64> = et
+                            .dir
+                            .iter()
+                            .zip(&ec.dir)
+                            .map(|(x, y)| s_t * *x as f64 + s_c * *y as f64)
+                            .collect();
+                        et.dir = unit(&dir);
+                        et.val = et
+                            .val
+                            .iter()
+                            .zip(&ec.val)
+                            .map(|(x, y)| (wt * *x as f64 + wc * *y as f64) as f32)
+                            .collect();
+                        st.slots
+                            .iter_mut()
+                            .filter(|s| s.entry == c)
+                            .for_each(|s| s.entry = t);
+                    }
+                    None => st.slots.retain(|s| s.entry != c),
+                }
+                st.entries[c] = None;
+            }
+            // 6. cap the slot table: drop the lowest-sgl slot of a centre that keeps another slot
+            loop {
+                if self.states[hi].slots.len() <= self.sh.s_max {
+                    break;
+                }
+                let sgl = self.sgl_of(hi);
+                let st = &mut self.states[hi];
+                let count = |e: usize| st.slots.iter().filter(|s| s.entry == e).count();
+                let victim = (0..st.slots.len())
+                    .filter(|&i| {
+                        let e = st.slots[i].entry;
+                        !st.entries[e].as_ref().unwrap().window && count(e) >= 2
+                    })
+                    .min_by(|&x, &y| {
+                        sgl[x]
+                            .partial_cmp(&sgl[y])
+                            .unwrap_or(std::cmp::Ordering::Equal)
+                            .then(st.slots[x].pos.cmp(&st.slots[y].pos))
+                    });
+                match victim {
+                    Some(i) => {
+                        st.slots.remove(i);
+                    }
+                    None => break,
+                }
+            }
+            caches[hi] = self.cfg.expand(&self.states[hi], &self.sh);
+        }
+    }
+}
+
+impl Decode {
+    fn sgl_of(&self, hi: usize) -> Vec<f64> {
+        self.sgl(&self.states[hi])
+    }
+}
