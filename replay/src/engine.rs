@@ -286,8 +286,8 @@ pub fn replay_group(
                 let g = if per_query[i] { c / group } else { c };
                 cache.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
             }
-            for g in 0..data.n_kv_heads {
-                full[i][g].push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
+            for (g, f) in full[i].iter_mut().enumerate() {
+                f.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
             }
             for h in 0..data.n_heads {
                 let (g, c) = (h / group, cache_of(i, h));

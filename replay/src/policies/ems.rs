@@ -123,6 +123,9 @@ impl Ems {
 
 const EPS: f64 = 1e-6;
 
+/// (s_glo, s_loc) of one query head over the prompt positions.
+type Scores = (Vec<f64>, Vec<f64>);
+
 fn norm(x: &[f32]) -> f64 {
     x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt()
 }
@@ -439,7 +442,7 @@ impl Policy for Ems {
         };
         // Scores per query head: column sums and last-window column sums.
         let lw = l_win.min(n);
-        let per_head: Vec<(Vec<f64>, Vec<f64>)> = (0..ctx.n_heads())
+        let per_head: Vec<Scores> = (0..ctx.n_heads())
             .map(|h| {
                 let glo: Vec<f64> = ctx.colsum(h).iter().map(|x| *x as f64).collect();
                 let rows = ctx.attn_rows(h, n - lw..n);
@@ -456,18 +459,25 @@ impl Policy for Ems {
                 states.push(self.build(ctx, h / gs, glo, loc, &sh));
             }
         } else {
+            // per_kv_head: the group mean of the query heads' scores
+            let group_mean = |g: usize, pick: fn(&Scores) -> &Vec<f64>| -> Vec<f64> {
+                let rows: Vec<Vec<f32>> = per_head[g * gs..(g + 1) * gs]
+                    .iter()
+                    .map(|x| pick(x).iter().map(|v| *v as f32).collect())
+                    .collect();
+                mean_rows(rows.iter().map(|r| r.as_slice()))
+                    .iter()
+                    .map(|v| *v as f64)
+                    .collect()
+            };
             for g in 0..ctx.n_kv_heads() {
-                let mean = |f: &dyn Fn(&(Vec<f64>, Vec<f64>)) -> &Vec<f64>| -> Vec<f64> {
-                    let rows: Vec<Vec<f32>> = per_head[g * gs..(g + 1) * gs]
-                        .iter()
-                        .map(|x| f(x).iter().map(|v| *v as f32).collect())
-                        .collect();
-                    mean_rows(rows.iter().map(|r| r.as_slice()))
-                        .iter()
-                        .map(|v| *v as f64)
-                        .collect()
-                };
-                states.push(self.build(ctx, g, &mean(&|x| &x.0), &mean(&|x| &x.1), &sh));
+                states.push(self.build(
+                    ctx,
+                    g,
+                    &group_mean(g, |x| &x.0),
+                    &group_mean(g, |x| &x.1),
+                    &sh,
+                ));
             }
         }
         let caches = states.iter().map(|st| self.expand(st, &sh)).collect();
@@ -507,8 +517,8 @@ impl Decode {
 }
 
 impl DecodeState for Decode {
+    #[allow(clippy::needless_range_loop)] // hi indexes the states and the caches alike
     fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
-        let gs = ctx.group;
         for hi in 0..self.states.len() {
             let a: Vec<f32> = if self.cfg.per_query_head {
                 ctx.probs[hi].clone()
@@ -518,7 +528,6 @@ impl DecodeState for Decode {
             let c = &caches[hi];
             let last = c.len() - 1;
             let (k_new, v_new) = (c.key(last).to_vec(), c.value(last).to_vec());
-            let _ = gs;
             let (cfg, sh) = (&self.cfg, &self.sh);
             let st = &mut self.states[hi];
             // 1. the new token: a window entry and its slot
