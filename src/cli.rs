@@ -40,6 +40,14 @@ enum Cmd {
     Policies,
     /// Apply a compression policy to a trace and measure output error, retention and memory.
     Replay(ReplayArgs),
+    /// Measure the seed papers' trace-checkable claims on a trace, next to what each paper states.
+    Claims {
+        #[arg(long)]
+        trace: PathBuf,
+        /// Also write the claims as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Benchmarks on the real model (see BENCHMARKS.md).
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -169,6 +177,7 @@ pub fn run() -> Result<()> {
         Cmd::Inspect { trace } => cmd_inspect(&trace),
         Cmd::Verify { trace, positions } => cmd_verify(&trace, positions),
         Cmd::Policies => cmd_policies(),
+        Cmd::Claims { trace, json } => cmd_claims(&trace, json.as_deref()),
         Cmd::Bench(BenchCmd::Replay { trace, model, reps }) => {
             crate::bench::bench_replay(&crate::bench::ReplayBench {
                 trace,
@@ -474,5 +483,33 @@ fn cmd_replay(a: ReplayArgs) -> Result<()> {
         "wrote {}/{{metrics.csv, retention.csv, summary.json}}",
         a.out.display()
     );
+    Ok(())
+}
+
+fn cmd_claims(dir: &Path, json: Option<&Path>) -> Result<()> {
+    let trace = Trace::open(dir).with_context(|| format!("opening trace {}", dir.display()))?;
+    let m = &trace.manifest;
+    eprintln!("measuring claims on {} ({} prompt + {} decode tokens); replays run at B = P/4 unless stated", dir.display(), m.prompt_len(), m.generation.n_decode);
+    let claims = kvreplay_analysis::claims::measure(&trace)
+        .with_context(|| format!("measuring claims on {}", dir.display()))?;
+    for c in &claims {
+        println!("[{}] {} {}: {}", c.verdict.label(), c.method, c.id, c.claim);
+        println!("      paper:    {}", c.paper);
+        println!("      measured: {}", c.measured);
+    }
+    let count = |v| claims.iter().filter(|c| c.verdict == v).count();
+    use kvreplay_analysis::claims::Verdict;
+    println!(
+        "{} claims: {} agree, {} partly, {} disagree, {} not checkable on this trace",
+        claims.len(),
+        count(Verdict::Agrees),
+        count(Verdict::Partly),
+        count(Verdict::Disagrees),
+        count(Verdict::NotCheckable)
+    );
+    if let Some(path) = json {
+        let text = serde_json::to_string_pretty(&claims).expect("claims serialise");
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(())
 }
