@@ -771,3 +771,25 @@ fn ems_merges_a_scaled_copy_of_a_centre() {
     // same stored entry: identical value vectors, one charged 2·d·16 bits
     assert_eq!(c.value(i5), c.value(i6));
 }
+
+/// EMS zero_class=literal_zero: to-be-merged tokens that merge nowhere keep a
+/// slot with a zero key and value (they still take softmax mass) but store nothing.
+#[test]
+fn ems_literal_zero_class_keeps_zero_slots() {
+    let data = with_rope(random_layer(43, 4, 2, 8, 60, 72));
+    let steps = run_steps("ems:window=4,gamma=2,tau=1,zero_class=literal_zero", &data, 16);
+    let c = &steps[0][0];
+    // 12 centres + 16 zero-class slots + 4 window slots; 16 stored entries
+    assert_eq!(ems_counts(c, 8), (12 + 16 + 4, 16));
+    let zero_slots = (0..c.len()).filter(|&e| c.key(e).iter().all(|x| *x == 0.0) && c.value(e).iter().all(|x| *x == 0.0)).count();
+    assert_eq!(zero_slots, 16);
+    for caches in &steps {
+        for c in caches {
+            let (slots, entries) = ems_counts(c, 8);
+            assert!(slots <= 32 && entries <= 16);
+        }
+    }
+    // with `free` the same configuration keeps only the 16 stored entries' slots
+    let free = run_steps("ems:window=4,gamma=2,tau=1", &data, 16);
+    assert_eq!(ems_counts(&free[0][0], 8), (16, 16));
+}

@@ -38,6 +38,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "merge_space", default: "raw", kind: Kind::Choice(&["raw", "post_rope"]), help: "merge un-rotated keys and re-rotate each member, or merge the captured keys" },
         ParamInfo { name: "demote_rank", default: "cluster_sum", kind: Kind::Choice(&["cluster_sum", "anchor_slot"]), help: "which centre is demoted at decode" },
         ParamInfo { name: "score", default: "global_local", kind: Kind::Choice(&["global_local", "global", "local"]), help: "Table 4 ablation of the score" },
+        ParamInfo { name: "zero_class", default: "free", kind: Kind::Choice(&["free", "literal_zero"]), help: "evicted to-be-merged tokens: freed, or kept as zero key/value slots that still take softmax mass" },
         ParamInfo { name: "similarity", default: "key_value", kind: Kind::Choice(&["key_value", "key", "value"]), help: "Table 8 ablation of the redundancy measure" },
     ],
     wrapper: false,
@@ -62,6 +63,8 @@ pub struct Ems {
     pub score: u8,
     /// 0 key·value, 1 key, 2 value
     pub similarity: u8,
+    /// Zero-class members keep a zero key/value slot (ems.md A3) instead of being freed.
+    pub literal_zero: bool,
 }
 
 impl Ems {
@@ -108,11 +111,8 @@ impl Ems {
                 "local" => 2,
                 _ => 0,
             },
-            similarity: match p.word("similarity") {
-                "key" => 1,
-                "value" => 2,
-                _ => 0,
-            },
+            similarity: match p.word("similarity") { "key" => 1, "value" => 2, _ => 0 },
+            literal_zero: p.word("zero_class") == "literal_zero",
         })
     }
 
@@ -147,6 +147,8 @@ struct Entry {
     val: Vec<f32>,
     window: bool,
     anchor: usize,
+    /// The zero class (zero_class=literal_zero): zero key and value, nothing stored.
+    zero: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -256,12 +258,7 @@ impl Ems {
                          anchor: usize,
                          members: &[usize]| {
             let id = st.entries.len();
-            st.entries.push(Some(Entry {
-                dir,
-                val,
-                window,
-                anchor,
-            }));
+            st.entries.push(Some(Entry { dir, val, window, anchor, zero: false }));
             for &j in members {
                 st.slots.push(Slot {
                     pos: j,
@@ -314,19 +311,22 @@ impl Ems {
                 })
                 .collect();
             let mut members: Vec<Vec<usize>> = imp.iter().map(|&c| vec![c]).collect();
-            if self.tau < 1.0 {
-                for &i in tbm {
-                    let mut best = (0usize, -1.0f64);
+            let mut zero_members: Vec<usize> = Vec::new();
+            // dest_i = the most redundant centre if R >= τ and τ < 1, else the zero class
+            for &i in tbm {
+                let mut best = (0usize, -1.0f64);
+                if self.tau < 1.0 {
                     for (ci, &c) in imp.iter().enumerate() {
-                        let r =
-                            self.redundancy(&ksim[i], ctx.value(g, i), &ksim[c], ctx.value(g, c));
+                        let r = self.redundancy(&ksim[i], ctx.value(g, i), &ksim[c], ctx.value(g, c));
                         if r > best.1 {
                             best = (ci, r);
                         }
                     }
-                    if best.1 >= self.tau {
-                        members[best.0].push(i);
-                    }
+                }
+                if self.tau < 1.0 && best.1 >= self.tau {
+                    members[best.0].push(i);
+                } else if self.literal_zero {
+                    zero_members.push(i);
                 }
             }
             // One entry per centre (members merged), then the window, in position order of anchors.
@@ -367,6 +367,11 @@ impl Ems {
                     &[j],
                 );
             }
+            if !zero_members.is_empty() {
+                zero_members.sort_unstable();
+                add_entry(&mut st, vec![0.0; d], vec![0.0; d], false, zero_members[0], &zero_members);
+                st.entries.last_mut().unwrap().as_mut().unwrap().zero = true;
+            }
             st.slots.sort_by_key(|x| x.pos);
         }
         st
@@ -390,7 +395,7 @@ impl Ems {
             c.values.extend_from_slice(&e.val);
             c.bias.push(0.0);
             c.members.push(vec![s.pos as u32]);
-            let entry_bits = if charged[s.entry] {
+            let entry_bits = if charged[s.entry] || e.zero {
                 0
             } else {
                 HeadCache::exact_bits(d)
@@ -536,9 +541,7 @@ impl DecodeState for Decode {
             st.entries.push(Some(Entry {
                 dir: unit(&kt.iter().map(|x| *x as f64).collect::<Vec<_>>()),
                 val: v_new,
-                window: true,
-                anchor: ctx.pos,
-            }));
+                window: true, anchor: ctx.pos, zero: false }));
             st.slots.push(Slot {
                 pos: ctx.pos,
                 entry: id,
@@ -570,7 +573,7 @@ impl DecodeState for Decode {
             }
             // 5. demote the least important centre
             let centres: Vec<usize> = (0..st.entries.len())
-                .filter(|&e| st.entries[e].as_ref().is_some_and(|x| !x.window))
+                .filter(|&e| st.entries[e].as_ref().is_some_and(|x| !x.window && !x.zero))
                 .collect();
             if centres.len() > sh.n_imp {
                 let sgl = self.sgl_of(hi);
@@ -670,6 +673,16 @@ impl DecodeState for Decode {
                             .filter(|s| s.entry == c)
                             .for_each(|s| s.entry = t);
                     }
+                    None if cfg.literal_zero => {
+                        let z = match st.entries.iter().position(|e| e.as_ref().is_some_and(|x| x.zero)) {
+                            Some(z) => z,
+                            None => {
+                                st.entries.push(Some(Entry { dir: vec![0.0; sh.d], val: vec![0.0; sh.d], window: false, anchor: anchor(c), zero: true }));
+                                st.entries.len() - 1
+                            }
+                        };
+                        st.slots.iter_mut().filter(|s| s.entry == c).for_each(|s| s.entry = z);
+                    }
                     None => st.slots.retain(|s| s.entry != c),
                 }
                 st.entries[c] = None;
@@ -682,17 +695,20 @@ impl DecodeState for Decode {
                 let sgl = self.sgl_of(hi);
                 let st = &mut self.states[hi];
                 let count = |e: usize| st.slots.iter().filter(|s| s.entry == e).count();
-                let victim = (0..st.slots.len())
-                    .filter(|&i| {
-                        let e = st.slots[i].entry;
-                        !st.entries[e].as_ref().unwrap().window && count(e) >= 2
+                // zero-class slots go first (lowest sgl), then centre slots whose cluster keeps another
+                let is_zero = |i: usize| st.entries[st.slots[i].entry].as_ref().unwrap().zero;
+                let lowest = |pred: &dyn Fn(usize) -> bool| {
+                    (0..st.slots.len()).filter(|&i| pred(i)).min_by(|&x, &y| {
+                        sgl[x].partial_cmp(&sgl[y]).unwrap_or(std::cmp::Ordering::Equal).then(st.slots[x].pos.cmp(&st.slots[y].pos))
                     })
-                    .min_by(|&x, &y| {
-                        sgl[x]
-                            .partial_cmp(&sgl[y])
-                            .unwrap_or(std::cmp::Ordering::Equal)
-                            .then(st.slots[x].pos.cmp(&st.slots[y].pos))
-                    });
+                };
+                let victim = lowest(&is_zero).or_else(|| {
+                    lowest(&|i: usize| {
+                        let e = st.slots[i].entry;
+                        let en = st.entries[e].as_ref().unwrap();
+                        !en.window && !en.zero && count(e) >= 2
+                    })
+                });
                 match victim {
                     Some(i) => {
                         st.slots.remove(i);
