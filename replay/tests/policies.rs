@@ -777,11 +777,17 @@ fn ems_merges_a_scaled_copy_of_a_centre() {
 #[test]
 fn ems_literal_zero_class_keeps_zero_slots() {
     let data = with_rope(random_layer(43, 4, 2, 8, 60, 72));
-    let steps = run_steps("ems:window=4,gamma=2,tau=1,zero_class=literal_zero", &data, 16);
+    let steps = run_steps(
+        "ems:window=4,gamma=2,tau=1,zero_class=literal_zero",
+        &data,
+        16,
+    );
     let c = &steps[0][0];
     // 12 centres + 16 zero-class slots + 4 window slots; 16 stored entries
     assert_eq!(ems_counts(c, 8), (12 + 16 + 4, 16));
-    let zero_slots = (0..c.len()).filter(|&e| c.key(e).iter().all(|x| *x == 0.0) && c.value(e).iter().all(|x| *x == 0.0)).count();
+    let zero_slots = (0..c.len())
+        .filter(|&e| c.key(e).iter().all(|x| *x == 0.0) && c.value(e).iter().all(|x| *x == 0.0))
+        .count();
     assert_eq!(zero_slots, 16);
     for caches in &steps {
         for c in caches {
@@ -792,4 +798,32 @@ fn ems_literal_zero_class_keeps_zero_slots() {
     // with `free` the same configuration keeps only the 16 stored entries' slots
     let free = run_steps("ems:window=4,gamma=2,tau=1", &data, 16);
     assert_eq!(ems_counts(&free[0][0], 8), (16, 16));
+}
+
+/// D2O's official-code preset keeps one cache per query head and leaves the
+/// protected layers (0, 1 and the last) uncompressed.
+#[test]
+fn d2o_code_preset() {
+    let mut data = random_layer(9, 4, 2, 8, 30, 40);
+    data.layer = 2;
+    data.n_layers = 6;
+    let p = PolicySpec::parse("d2o:preset=code")
+        .unwrap()
+        .build()
+        .unwrap();
+    let (caches, _) = p.prefill(&PrefillCtx::new(&data, 12)).unwrap();
+    assert_eq!(caches.len(), 4, "one cache per query head");
+    // f = 0.5 (N:M = 1:1) with φ = 1/L: r = 6·12/30·(1/6) = 0.4 -> N = M = 6
+    assert!(caches.iter().all(|c| c.len() == 12));
+    data.layer = 5;
+    let (caches, _) = p.prefill(&PrefillCtx::new(&data, 12)).unwrap();
+    assert!(
+        caches.iter().all(|c| c.len() == 30),
+        "the last layer is protected"
+    );
+    let r = replay_layer(&data, p.as_ref(), 12).unwrap();
+    assert!(
+        r.metrics.iter().all(|m| m.rel_l2 == 0.0),
+        "a protected layer replays exactly"
+    );
 }

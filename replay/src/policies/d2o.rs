@@ -28,6 +28,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     summary: "per-layer budgets from attention variance, H2O-style eviction whose evicted tokens merge into similar kept ones above an EMA threshold",
     paper: "D2O: Dynamic Discriminative Operations for Efficient Long-Context Inference of Large Language Models (Wan et al., ICLR 2025, arXiv 2406.13035)",
     params: &[
+        ParamInfo { name: "preset", default: "paper", kind: Kind::Choice(&["paper", "code"]), help: "paper: the switches below; code: the official code's settings (protected layers 0, 1, L−1; per-query-head caches; scaled-mean merge; τ ← (τ + m)/2; N:M = 1:1), overriding them" },
         ParamInfo { name: "f", default: "0.75", kind: Kind::Float, help: "important share N/(N+M) of each layer's budget (paper 3:1)" },
         ParamInfo { name: "beta", default: "0.7", kind: Kind::Float, help: "EMA weight of the current mean similarity" },
         ParamInfo { name: "n_sink", default: "4", kind: Kind::Int, help: "attention sinks, always kept" },
@@ -56,6 +57,8 @@ pub struct D2o {
     pub match_values: bool,
     pub allocation: String,
     pub protect_layers: bool,
+    /// One cache per query head (the official code repeats K/V per query head).
+    pub per_query_head: bool,
 }
 
 impl D2o {
@@ -83,7 +86,27 @@ impl D2o {
             match_values: p.word("match_on") == "values",
             allocation: p.word("allocation").into(),
             protect_layers: p.bool("protect_layers")?,
-        })
+            per_query_head: false,
+        }
+        .with_preset(p.word("preset")))
+    }
+
+    /// The official code's settings (d2o.md §2.6 items a, c, e, f, g, i). Not
+    /// reproduced: first compression at decode step 1 (b), one τ shared by the
+    /// heads of a layer (d), layers that stop compressing (h), fp16 scores (j).
+    fn with_preset(self, preset: &str) -> D2o {
+        if preset != "code" {
+            return self;
+        }
+        D2o {
+            protect_layers: true,
+            per_query_head: true,
+            merge: "code_scaled_mean".into(),
+            beta: 0.5,
+            f: 0.5,
+            sinks_in_recent: false,
+            ..self
+        }
     }
 
     /// φ over layers from every layer's per-head column sums (each (n_heads·P)).
@@ -297,13 +320,20 @@ impl Policy for D2o {
         let cap = n.saturating_add(m);
         let mut caches = Vec::new();
         let mut states = Vec::new();
-        for g in 0..ctx.n_kv_heads() {
+        // One cache per KV head (scores summed over its group), or per query head.
+        let n_caches = if self.per_query_head {
+            ctx.n_heads()
+        } else {
+            ctx.n_kv_heads()
+        };
+        for ci in 0..n_caches {
+            let (g, heads) = if self.per_query_head {
+                (ci / gs, ci..ci + 1)
+            } else {
+                (ci, ci * gs..(ci + 1) * gs)
+            };
             let a: Vec<f64> = (0..p)
-                .map(|i| {
-                    (g * gs..(g + 1) * gs)
-                        .map(|h| ctx.colsum(h)[i] as f64)
-                        .sum()
-                })
+                .map(|i| heads.clone().map(|h| ctx.colsum(h)[i] as f64).sum())
                 .collect();
             let (z, recent_start) = if self.sinks_in_recent {
                 let z = self.n_sink.min(m);
@@ -357,12 +387,17 @@ struct Decode {
 
 impl DecodeState for Decode {
     fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
-        for (g, c) in caches.iter_mut().enumerate() {
-            let st = &mut self.states[g];
+        for (ci, c) in caches.iter_mut().enumerate() {
+            let st = &mut self.states[ci];
             st.score.push(0.0);
             st.anchor.push(ctx.pos);
             st.sink.push(false);
-            for h in g * ctx.group..(g + 1) * ctx.group {
+            let heads = if self.cfg.per_query_head {
+                ci..ci + 1
+            } else {
+                ci * ctx.group..(ci + 1) * ctx.group
+            };
+            for h in heads {
                 for (s, x) in st.score.iter_mut().zip(&ctx.probs[h]) {
                     *s += *x as f64;
                 }
@@ -418,6 +453,7 @@ mod tests {
             match_values: false,
             allocation: "inv_var_softmax".into(),
             protect_layers: false,
+            per_query_head: false,
         };
         let phi = d.layer_shares(
             &cs.iter().map(|v| v.as_slice()).collect::<Vec<_>>(),

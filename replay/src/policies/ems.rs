@@ -111,7 +111,11 @@ impl Ems {
                 "local" => 2,
                 _ => 0,
             },
-            similarity: match p.word("similarity") { "key" => 1, "value" => 2, _ => 0 },
+            similarity: match p.word("similarity") {
+                "key" => 1,
+                "value" => 2,
+                _ => 0,
+            },
             literal_zero: p.word("zero_class") == "literal_zero",
         })
     }
@@ -258,7 +262,13 @@ impl Ems {
                          anchor: usize,
                          members: &[usize]| {
             let id = st.entries.len();
-            st.entries.push(Some(Entry { dir, val, window, anchor, zero: false }));
+            st.entries.push(Some(Entry {
+                dir,
+                val,
+                window,
+                anchor,
+                zero: false,
+            }));
             for &j in members {
                 st.slots.push(Slot {
                     pos: j,
@@ -317,7 +327,8 @@ impl Ems {
                 let mut best = (0usize, -1.0f64);
                 if self.tau < 1.0 {
                     for (ci, &c) in imp.iter().enumerate() {
-                        let r = self.redundancy(&ksim[i], ctx.value(g, i), &ksim[c], ctx.value(g, c));
+                        let r =
+                            self.redundancy(&ksim[i], ctx.value(g, i), &ksim[c], ctx.value(g, c));
                         if r > best.1 {
                             best = (ci, r);
                         }
@@ -369,7 +380,14 @@ impl Ems {
             }
             if !zero_members.is_empty() {
                 zero_members.sort_unstable();
-                add_entry(&mut st, vec![0.0; d], vec![0.0; d], false, zero_members[0], &zero_members);
+                add_entry(
+                    &mut st,
+                    vec![0.0; d],
+                    vec![0.0; d],
+                    false,
+                    zero_members[0],
+                    &zero_members,
+                );
                 st.entries.last_mut().unwrap().as_mut().unwrap().zero = true;
             }
             st.slots.sort_by_key(|x| x.pos);
@@ -541,7 +559,10 @@ impl DecodeState for Decode {
             st.entries.push(Some(Entry {
                 dir: unit(&kt.iter().map(|x| *x as f64).collect::<Vec<_>>()),
                 val: v_new,
-                window: true, anchor: ctx.pos, zero: false }));
+                window: true,
+                anchor: ctx.pos,
+                zero: false,
+            }));
             st.slots.push(Slot {
                 pos: ctx.pos,
                 entry: id,
@@ -674,14 +695,27 @@ impl DecodeState for Decode {
                             .for_each(|s| s.entry = t);
                     }
                     None if cfg.literal_zero => {
-                        let z = match st.entries.iter().position(|e| e.as_ref().is_some_and(|x| x.zero)) {
+                        let z = match st
+                            .entries
+                            .iter()
+                            .position(|e| e.as_ref().is_some_and(|x| x.zero))
+                        {
                             Some(z) => z,
                             None => {
-                                st.entries.push(Some(Entry { dir: vec![0.0; sh.d], val: vec![0.0; sh.d], window: false, anchor: anchor(c), zero: true }));
+                                st.entries.push(Some(Entry {
+                                    dir: vec![0.0; sh.d],
+                                    val: vec![0.0; sh.d],
+                                    window: false,
+                                    anchor: anchor(c),
+                                    zero: true,
+                                }));
                                 st.entries.len() - 1
                             }
                         };
-                        st.slots.iter_mut().filter(|s| s.entry == c).for_each(|s| s.entry = z);
+                        st.slots
+                            .iter_mut()
+                            .filter(|s| s.entry == c)
+                            .for_each(|s| s.entry = z);
                     }
                     None => st.slots.retain(|s| s.entry != c),
                 }
@@ -699,7 +733,10 @@ impl DecodeState for Decode {
                 let is_zero = |i: usize| st.entries[st.slots[i].entry].as_ref().unwrap().zero;
                 let lowest = |pred: &dyn Fn(usize) -> bool| {
                     (0..st.slots.len()).filter(|&i| pred(i)).min_by(|&x, &y| {
-                        sgl[x].partial_cmp(&sgl[y]).unwrap_or(std::cmp::Ordering::Equal).then(st.slots[x].pos.cmp(&st.slots[y].pos))
+                        sgl[x]
+                            .partial_cmp(&sgl[y])
+                            .unwrap_or(std::cmp::Ordering::Equal)
+                            .then(st.slots[x].pos.cmp(&st.slots[y].pos))
                     })
                 };
                 let victim = lowest(&is_zero).or_else(|| {
