@@ -163,6 +163,8 @@ struct Slot {
     s_glo: f64,
     s_loc_past: f64,
     s_loc_cur: f64,
+    /// The expanded key, cached; empty when its entry's direction changed.
+    key: Vec<f32>,
 }
 
 /// One head's state: stored entries (by id; None once deleted) and active slots in position order.
@@ -277,6 +279,7 @@ impl Ems {
                     s_glo: s_glo[j],
                     s_loc_past: s_loc[j],
                     s_loc_cur: 0.0,
+                    key: Vec::new(),
                 });
             }
         };
@@ -396,20 +399,22 @@ impl Ems {
     }
 
     /// The engine's view of a head: one entry per active slot, in slot order.
-    fn expand(&self, st: &HeadState, sh: &Shape) -> HeadCache {
+    fn expand(&self, st: &mut HeadState, sh: &Shape) -> HeadCache {
         let d = sh.d;
         let aux = F16_BITS + ((sh.n_budget + 1) as f64).log2().ceil() as u64;
         let mut c = HeadCache::new(d);
         let mut charged = vec![false; st.entries.len()];
-        for s in &st.slots {
+        for s in st.slots.iter_mut() {
             let e = st.entries[s.entry]
                 .as_ref()
                 .expect("slots point at live entries");
-            let mut key: Vec<f32> = e.dir.iter().map(|x| x * s.knorm).collect();
-            if self.raw_space {
-                apply_rope(&mut key, 1, d, s.pos, sh.rope.as_ref().expect("checked"));
+            if s.key.is_empty() {
+                s.key = e.dir.iter().map(|x| x * s.knorm).collect();
+                if self.raw_space {
+                    apply_rope(&mut s.key, 1, d, s.pos, sh.rope.as_ref().expect("checked"));
+                }
             }
-            c.keys.extend_from_slice(&key);
+            c.keys.extend_from_slice(&s.key);
             c.values.extend_from_slice(&e.val);
             c.bias.push(0.0);
             c.members.push(vec![s.pos as u32]);
@@ -503,7 +508,7 @@ impl Policy for Ems {
                 ));
             }
         }
-        let caches = states.iter().map(|st| self.expand(st, &sh)).collect();
+        let caches = states.iter_mut().map(|st| self.expand(st, &sh)).collect();
         Ok((
             caches,
             Box::new(Decode {
@@ -570,6 +575,7 @@ impl DecodeState for Decode {
                 s_glo: 0.0,
                 s_loc_past: 0.0,
                 s_loc_cur: 0.0,
+                key: Vec::new(),
             });
             // 3. scores (a covers every active slot, the new one last)
             for (s, x) in st.slots.iter_mut().zip(&a) {
@@ -691,8 +697,11 @@ impl DecodeState for Decode {
                             .collect();
                         st.slots
                             .iter_mut()
-                            .filter(|s| s.entry == c)
-                            .for_each(|s| s.entry = t);
+                            .filter(|s| s.entry == c || s.entry == t)
+                            .for_each(|s| {
+                                s.entry = t;
+                                s.key.clear();
+                            });
                     }
                     None if cfg.literal_zero => {
                         let z = match st
@@ -712,10 +721,10 @@ impl DecodeState for Decode {
                                 st.entries.len() - 1
                             }
                         };
-                        st.slots
-                            .iter_mut()
-                            .filter(|s| s.entry == c)
-                            .for_each(|s| s.entry = z);
+                        st.slots.iter_mut().filter(|s| s.entry == c).for_each(|s| {
+                            s.entry = z;
+                            s.key.clear();
+                        });
                     }
                     None => st.slots.retain(|s| s.entry != c),
                 }
@@ -753,7 +762,7 @@ impl DecodeState for Decode {
                     None => break,
                 }
             }
-            caches[hi] = self.cfg.expand(&self.states[hi], &self.sh);
+            caches[hi] = self.cfg.expand(&mut self.states[hi], &self.sh);
         }
     }
 }
