@@ -378,3 +378,45 @@ fn replay_cli_writes_csvs_and_provenance() {
     // snapkv keeps exactly 64 prompt positions per KV head and layer
     assert_eq!(retention.lines().count(), 1 + 30 * 3 * 64);
 }
+
+/// `kvreplay claims` measures every checkable claim of the five seed specs.
+#[test]
+fn claims_cover_the_five_seed_methods() {
+    let Some(dir) = trace() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("claims.json");
+    let o = Command::new(env!("CARGO_BIN_EXE_kvreplay"))
+        .args([
+            "claims",
+            "--trace",
+            dir.to_str().unwrap(),
+            "--json",
+            json.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let claims: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for (method, n) in [
+        ("ems", 10),
+        ("d2o", 10),
+        ("kvmerger", 10),
+        ("ahakv", 10),
+        ("minicache", 5),
+    ] {
+        assert_eq!(
+            claims.iter().filter(|c| c["method"] == method).count(),
+            n,
+            "{method}"
+        );
+    }
+    for c in &claims {
+        assert!(!c["measured"].as_str().unwrap().contains("NaN"), "{c}");
+    }
+    // identities the trace must satisfy whatever the model
+    let e3 = claims.iter().find(|c| c["id"] == "E3").unwrap();
+    assert_eq!(e3["verdict"], "agrees", "{e3}");
+    let k10 = claims.iter().find(|c| c["id"] == "K10").unwrap();
+    assert_eq!(k10["verdict"], "agrees", "{k10}");
+}
