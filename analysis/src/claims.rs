@@ -810,18 +810,7 @@ fn ahakv(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayError> {
     });
     // Row entropy against ln i, and SG entropy against ln B.
     let (mut xs, mut ys, mut sg_dev) = (vec![], vec![], vec![]);
-    let aha = kvreplay_replay::policies::ahakv::AhaKv {
-        recent: None,
-        use_ra: true,
-        use_sg: true,
-        use_vpe: true,
-        literal_gain: false,
-        gain_cache_len: false,
-        w_pool: 7,
-        zero_pad: false,
-        n_sink: 0,
-        decode_evict: true,
-    };
+    let aha = kvreplay_replay::policies::ahakv::AhaKv::default();
     for l in (0..nl).step_by(3) {
         let ctx = PrefillCtx::new(&c.layers[l], b);
         for h in 0..nh {

@@ -55,15 +55,7 @@ pub fn slope(x: &[f64], y: &[f64]) -> f64 {
     cov / vx.max(1e-300)
 }
 
-pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        ab += *x as f64 * *y as f64;
-        aa += (*x as f64).powi(2);
-        bb += (*y as f64).powi(2);
-    }
-    ab / (aa.sqrt() * bb.sqrt()).max(1e-12)
-}
+pub use kvreplay_replay::policy::cosine;
 
 #[cfg(test)]
 mod tests {

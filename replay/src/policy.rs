@@ -295,6 +295,17 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// Cosine similarity in f64 (0 when either vector is zero).
+pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        ab += *x as f64 * *y as f64;
+        aa += (*x as f64).powi(2);
+        bb += (*y as f64).powi(2);
+    }
+    ab / (aa.sqrt() * bb.sqrt()).max(1e-12)
+}
+
 /// Max-shifted softmax in place (f64 normaliser).
 pub fn softmax_in_place(x: &mut [f32]) {
     let mx = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));

@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use super::snapkv::{most_recent, Window};
+use super::snapkv::{trivial_prefill, Window};
 use super::PolicyInfo;
 use crate::cache::HeadCache;
 use crate::policy::{mean_rows, pool1d, AppendOnly, DecodeState, Policy, PrefillCtx};
@@ -112,19 +112,10 @@ impl Policy for AdaKv {
         &self,
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+        if let Some(done) = trivial_prefill(ctx, self.window.w) {
+            return Ok(done);
+        }
         let (p, b, w) = (ctx.prompt_len(), ctx.budget, self.window.w);
-        if p <= b {
-            return Ok((ctx.full_caches(), Box::new(AppendOnly)));
-        }
-        if b <= w {
-            let keep = most_recent(p, b);
-            return Ok((
-                (0..ctx.n_kv_heads())
-                    .map(|g| ctx.exact_cache(g, &keep))
-                    .collect(),
-                Box::new(AppendOnly),
-            ));
-        }
         let scores: Vec<Vec<f32>> = (0..ctx.n_kv_heads()).map(|g| self.scores(ctx, g)).collect();
         let budgets = head_budgets(&scores, b - w, self.alpha, self.normalize);
         let caches = (0..ctx.n_kv_heads())

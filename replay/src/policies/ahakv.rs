@@ -57,6 +57,24 @@ pub struct AhaKv {
     pub decode_evict: bool,
 }
 
+impl Default for AhaKv {
+    /// The paper's configuration (every component on, B_r = auto).
+    fn default() -> Self {
+        AhaKv {
+            recent: None,
+            use_ra: true,
+            use_sg: true,
+            use_vpe: true,
+            literal_gain: false,
+            gain_cache_len: false,
+            w_pool: 7,
+            zero_pad: false,
+            n_sink: 0,
+            decode_evict: true,
+        }
+    }
+}
+
 impl AhaKv {
     fn from_params(p: &Params) -> Result<AhaKv, ReplayError> {
         let w_pool = p.int("w_pool")?;
@@ -253,18 +271,7 @@ mod tests {
     use super::*;
 
     fn cfg() -> AhaKv {
-        AhaKv {
-            recent: None,
-            use_ra: true,
-            use_sg: true,
-            use_vpe: true,
-            literal_gain: false,
-            gain_cache_len: false,
-            w_pool: 7,
-            zero_pad: false,
-            n_sink: 0,
-            decode_evict: true,
-        }
+        AhaKv::default()
     }
 
     #[test]

@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use super::PolicyInfo;
 use crate::cache::{HeadCache, F16_BITS};
-use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
+use crate::policy::{cosine, AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
 use crate::spec::{Kind, ParamInfo, Params};
 use crate::ReplayError;
 
@@ -116,16 +116,6 @@ impl KvMerger {
             n_sink: p.int("n_sink")?,
         })
     }
-}
-
-pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        ab += *x as f64 * *y as f64;
-        aa += (*x as f64).powi(2);
-        bb += (*y as f64).powi(2);
-    }
-    ab / (aa.sqrt() * bb.sqrt()).max(1e-12)
 }
 
 /// Merging sets of `run` (ascending positions): scan from the last token back,

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use super::snapkv::{most_recent, Window};
+use super::snapkv::{trivial_prefill, Window};
 use super::PolicyInfo;
 use crate::cache::HeadCache;
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
@@ -70,19 +70,10 @@ impl Policy for PyramidKv {
         &self,
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+        if let Some(done) = trivial_prefill(ctx, self.window.w) {
+            return Ok(done);
+        }
         let (p, b, w) = (ctx.prompt_len(), ctx.budget, self.window.w);
-        if p <= b {
-            return Ok((ctx.full_caches(), Box::new(AppendOnly)));
-        }
-        if b <= w {
-            let keep = most_recent(p, b);
-            return Ok((
-                (0..ctx.n_kv_heads())
-                    .map(|g| ctx.exact_cache(g, &keep))
-                    .collect(),
-                Box::new(AppendOnly),
-            ));
-        }
         let count = layer_count(p, b, w, self.beta, ctx.layer(), ctx.n_layers()).expect("p > b");
         let caches = (0..ctx.n_kv_heads())
             .map(|g| {

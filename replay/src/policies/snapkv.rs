@@ -118,9 +118,27 @@ pub struct SnapKv {
     pub window: Window,
 }
 
-/// The B most recent prompt positions (used when B <= w).
-pub(crate) fn most_recent(p: usize, b: usize) -> Vec<usize> {
-    (p - b.min(p)..p).collect()
+/// The caches of the cases every window policy shares: the prompt fits the
+/// budget (keep everything), or the budget does not exceed the window (our
+/// choice: keep the B most recent positions). None: the policy selects.
+pub(crate) fn trivial_prefill(
+    ctx: &PrefillCtx,
+    w: usize,
+) -> Option<(Vec<HeadCache>, Box<dyn DecodeState>)> {
+    let (p, b) = (ctx.prompt_len(), ctx.budget);
+    if p <= b {
+        return Some((ctx.full_caches(), Box::new(AppendOnly)));
+    }
+    if b <= w {
+        let keep: Vec<usize> = (p - b..p).collect();
+        return Some((
+            (0..ctx.n_kv_heads())
+                .map(|g| ctx.exact_cache(g, &keep))
+                .collect(),
+            Box::new(AppendOnly),
+        ));
+    }
+    None
 }
 
 impl Policy for SnapKv {
@@ -128,19 +146,18 @@ impl Policy for SnapKv {
         &self,
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        let (p, b, w) = (ctx.prompt_len(), ctx.budget, self.window.w);
-        if p <= b {
-            return Ok((ctx.full_caches(), Box::new(AppendOnly)));
+        if let Some(done) = trivial_prefill(ctx, self.window.w) {
+            return Ok(done);
         }
+        let (p, b, w) = (ctx.prompt_len(), ctx.budget, self.window.w);
         let caches = (0..ctx.n_kv_heads())
             .map(|g| {
-                let keep = if b <= w {
-                    most_recent(p, b)
-                } else {
-                    self.window
-                        .keep(p, &self.window.scores(ctx, g, false), b - w)
-                };
-                ctx.exact_cache(g, &keep)
+                ctx.exact_cache(
+                    g,
+                    &self
+                        .window
+                        .keep(p, &self.window.scores(ctx, g, false), b - w),
+                )
             })
             .collect();
         Ok((caches, Box::new(AppendOnly)))
