@@ -314,15 +314,30 @@ impl Ems {
             imp.sort_unstable();
             let tbm_n = sh.n_tbm.min(c_len - imp.len());
             let tbm = &order[imp.len()..imp.len() + tbm_n];
+            // Similarity vectors and values, normalised once: cos⁺ becomes a clamped dot product.
+            let unit32 = |x: &[f32]| -> Vec<f32> {
+                let n = norm(x) + EPS;
+                x.iter().map(|v| (*v as f64 / n) as f32).collect()
+            };
             let ksim: Vec<Vec<f32>> = (0..n)
                 .map(|j| {
-                    if self.sim_pos {
-                        ctx.key(g, j).to_vec()
+                    unit32(if self.sim_pos {
+                        ctx.key(g, j)
                     } else {
-                        k_tilde[j].clone()
-                    }
+                        &k_tilde[j]
+                    })
                 })
                 .collect();
+            let vsim: Vec<Vec<f32>> = (0..n).map(|j| unit32(ctx.value(g, j))).collect();
+            let redundancy = |i: usize, c: usize| -> f64 {
+                let kc = || (crate::policy::dot(&ksim[i], &ksim[c]) as f64).max(0.0);
+                let vc = || (crate::policy::dot(&vsim[i], &vsim[c]) as f64).max(0.0);
+                match self.similarity {
+                    1 => kc(),
+                    2 => vc(),
+                    _ => kc() * vc(),
+                }
+            };
             let mut members: Vec<Vec<usize>> = imp.iter().map(|&c| vec![c]).collect();
             let mut zero_members: Vec<usize> = Vec::new();
             // dest_i = the most redundant centre if R >= τ and τ < 1, else the zero class
@@ -330,8 +345,7 @@ impl Ems {
                 let mut best = (0usize, -1.0f64);
                 if self.tau < 1.0 {
                     for (ci, &c) in imp.iter().enumerate() {
-                        let r =
-                            self.redundancy(&ksim[i], ctx.value(g, i), &ksim[c], ctx.value(g, c));
+                        let r = redundancy(i, c);
                         if r > best.1 {
                             best = (ci, r);
                         }
@@ -605,33 +619,27 @@ impl DecodeState for Decode {
             if centres.len() > sh.n_imp {
                 let sgl = self.sgl_of(hi);
                 let st = &mut self.states[hi];
-                let cluster = |e: usize| -> f64 {
-                    st.slots
-                        .iter()
-                        .zip(&sgl)
-                        .filter(|(s, _)| s.entry == e)
-                        .map(|(_, v)| v)
-                        .sum()
-                };
-                let rank = |e: usize| -> f64 {
+                // Per entry, in one pass over the slots: the cluster sum of sgl, the
+                // sgl of the slot at the anchor, and the largest slot sgl.
+                let n_e = st.entries.len();
+                let (mut sums, mut at_anchor, mut best) =
+                    (vec![0f64; n_e], vec![None; n_e], vec![f64::MIN; n_e]);
+                for (sl, v) in st.slots.iter().zip(&sgl) {
+                    sums[sl.entry] += v;
+                    best[sl.entry] = best[sl.entry].max(*v);
+                    if st.entries[sl.entry]
+                        .as_ref()
+                        .is_some_and(|e| e.anchor == sl.pos)
+                    {
+                        at_anchor[sl.entry] = Some(*v);
+                    }
+                }
+                let cluster = |e: usize| sums[e];
+                let rank = |e: usize| {
                     if cfg.anchor_slot {
-                        let anchor = st.entries[e].as_ref().unwrap().anchor;
-                        let own = st
-                            .slots
-                            .iter()
-                            .zip(&sgl)
-                            .find(|(s, _)| s.entry == e && s.pos == anchor)
-                            .map(|x| *x.1);
-                        own.unwrap_or_else(|| {
-                            st.slots
-                                .iter()
-                                .zip(&sgl)
-                                .filter(|(s, _)| s.entry == e)
-                                .map(|x| *x.1)
-                                .fold(f64::MIN, f64::max)
-                        })
+                        at_anchor[e].unwrap_or(best[e])
                     } else {
-                        cluster(e)
+                        sums[e]
                     }
                 };
                 let anchor = |e: usize| st.entries[e].as_ref().unwrap().anchor;
@@ -737,7 +745,9 @@ impl DecodeState for Decode {
                 }
                 let sgl = self.sgl_of(hi);
                 let st = &mut self.states[hi];
-                let count = |e: usize| st.slots.iter().filter(|s| s.entry == e).count();
+                let mut counts = vec![0usize; st.entries.len()];
+                st.slots.iter().for_each(|sl| counts[sl.entry] += 1);
+                let count = |e: usize| counts[e];
                 // zero-class slots go first (lowest sgl), then centre slots whose cluster keeps another
                 let is_zero = |i: usize| st.entries[st.slots[i].entry].as_ref().unwrap().zero;
                 let lowest = |pred: &dyn Fn(usize) -> bool| {
