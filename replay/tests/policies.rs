@@ -827,3 +827,13 @@ fn d2o_code_preset() {
         "a protected layer replays exactly"
     );
 }
+
+#[test]
+fn ahakv_per_query_head_keeps_one_cache_per_query_head() {
+    let data = random_layer(51, 4, 2, 8, 40, 44);
+    let steps = run_steps("ahakv:gqa_mode=per_query_head", &data, 12);
+    for caches in &steps {
+        assert_eq!(caches.len(), 4);
+        assert!(caches.iter().all(|c| c.len() == 12));
+    }
+}

@@ -32,6 +32,10 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "gain_count", default: "absolute", kind: Kind::Choice(&["absolute", "cache_len"]), help: "c at decode: absolute position + 1, or the cache length" },
         ParamInfo { name: "w_pool", default: "7", kind: Kind::Int, help: "average-pool kernel of the value prior (odd)" },
         ParamInfo { name: "pool_edges", default: "valid_count", kind: Kind::Choice(&["valid_count", "zero_pad"]), help: "divide edge windows by the valid count, or by w_pool (PyTorch's zero padding)" },
+        ParamInfo { name: "min_gain", default: "0", kind: Kind::Float, help: "lower clamp of the step gain (0: uniform rows while c <= k)" },
+        ParamInfo { name: "pool_refined", default: "false", kind: Kind::Bool, help: "also smooth the refined score with the same pool before selection" },
+        ParamInfo { name: "gqa_mode", default: "per_kv_head", kind: Kind::Choice(&["per_kv_head", "per_query_head"]), help: "one cache per KV head (group-reduced scores) or per query head" },
+        ParamInfo { name: "gqa_agg", default: "mean", kind: Kind::Choice(&["mean", "sum", "max"]), help: "reduction of the group's SG probabilities" },
         ParamInfo { name: "n_sink", default: "0", kind: Kind::Int, help: "extension: first positions always kept (paper: none)" },
         ParamInfo { name: "decode_evict", default: "true", kind: Kind::Bool, help: "hold B entries during decode" },
     ],
@@ -55,6 +59,11 @@ pub struct AhaKv {
     pub zero_pad: bool,
     pub n_sink: usize,
     pub decode_evict: bool,
+    pub min_gain: f32,
+    pub pool_refined: bool,
+    pub per_query_head: bool,
+    /// 0 mean, 1 sum, 2 max
+    pub gqa_agg: u8,
 }
 
 impl Default for AhaKv {
@@ -71,6 +80,10 @@ impl Default for AhaKv {
             zero_pad: false,
             n_sink: 0,
             decode_evict: true,
+            min_gain: 0.0,
+            pool_refined: false,
+            per_query_head: false,
+            gqa_agg: 0,
         }
     }
 }
@@ -101,6 +114,14 @@ impl AhaKv {
             zero_pad: p.word("pool_edges") == "zero_pad",
             n_sink: p.int("n_sink")?,
             decode_evict: p.bool("decode_evict")?,
+            min_gain: p.float("min_gain")? as f32,
+            pool_refined: p.bool("pool_refined")?,
+            per_query_head: p.word("gqa_mode") == "per_query_head",
+            gqa_agg: match p.word("gqa_agg") {
+                "sum" => 1,
+                "max" => 2,
+                _ => 0,
+            },
         })
     }
 
@@ -115,7 +136,20 @@ impl AhaKv {
         } else {
             (2.0 * l).sqrt()
         };
-        g as f32
+        (g as f32).max(self.min_gain)
+    }
+
+    /// Reduce one head's row `x` into the running group aggregate `acc` (the
+    /// `i`-th of `n` heads).
+    fn agg(&self, acc: &mut [f32], x: &[f32], i: usize, n: usize) {
+        for (a, v) in acc.iter_mut().zip(x) {
+            *a = match self.gqa_agg {
+                1 => *a + v,
+                2 if i == 0 => *v,
+                2 => a.max(*v),
+                _ => *a + v / n as f32,
+            };
+        }
     }
 
     fn recent(&self, b: usize) -> usize {
@@ -167,18 +201,27 @@ impl Policy for AhaKv {
         let rows = if self.use_ra { n - br.min(n)..n } else { 0..n };
         let mut caches = Vec::new();
         let mut scores = Vec::new();
-        for g in 0..ctx.n_kv_heads() {
-            // F: group mean of the SG rows' column sums.
+        let n_caches = if self.per_query_head {
+            ctx.n_heads()
+        } else {
+            ctx.n_kv_heads()
+        };
+        for ci in 0..n_caches {
+            let (g, heads) = if self.per_query_head {
+                (ci / gs, ci..ci + 1)
+            } else {
+                (ci, ci * gs..(ci + 1) * gs)
+            };
+            // F: the group-reduced column sums of the SG rows.
             let mut f = vec![0f32; n];
-            for h in g * gs..(g + 1) * gs {
+            let nheads = heads.len();
+            for (k, h) in heads.enumerate() {
                 let a = ctx.attn_rows_with_gain(h, rows.clone(), |j| self.gain(j + 1, b, d));
                 let mut col = vec![0f32; n];
                 for row in a.chunks_exact(n) {
                     col.iter_mut().zip(row).for_each(|(c, x)| *c += x);
                 }
-                f.iter_mut()
-                    .zip(&col)
-                    .for_each(|(a, c)| *a += c / gs as f32);
+                self.agg(&mut f, &col, k, nheads);
             }
             if self.use_vpe {
                 let nu: Vec<f32> = (0..n)
@@ -189,6 +232,9 @@ impl Policy for AhaKv {
                 if mx > 0.0 {
                     f.iter_mut().zip(&gamma).for_each(|(a, gm)| *a *= gm / mx);
                 }
+            }
+            if self.pool_refined {
+                f = avg_pool(&f, self.w_pool, self.zero_pad);
             }
             let keep: Vec<usize> = if n <= b {
                 (0..n).collect()
@@ -225,8 +271,8 @@ struct Evict {
 
 impl DecodeState for Evict {
     fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
-        for (g, c) in caches.iter_mut().enumerate() {
-            let f = &mut self.scores[g];
+        for (ci, c) in caches.iter_mut().enumerate() {
+            let f = &mut self.scores[ci];
             f.push(0.0);
             let count = if self.cfg.gain_cache_len {
                 c.len()
@@ -234,18 +280,26 @@ impl DecodeState for Evict {
                 ctx.pos + 1
             };
             let gain = self.cfg.gain(count, ctx.budget, self.d);
-            for q in &ctx.queries[g * ctx.group..(g + 1) * ctx.group] {
+            let heads = if self.cfg.per_query_head {
+                ci..ci + 1
+            } else {
+                ci * ctx.group..(ci + 1) * ctx.group
+            };
+            let nheads = heads.len();
+            let mut inc = vec![0f32; c.len()];
+            for (k, h) in heads.enumerate() {
                 // SG-softmax over the cache entries with the model's scale and the step gain.
+                let q = ctx.queries[h];
                 let z: Vec<f32> = (0..c.len())
                     .map(|e| gain * ctx.scale * dot(q, c.key(e)))
                     .collect();
                 let mx = z.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
                 let w: Vec<f64> = z.iter().map(|x| ((x - mx) as f64).exp()).collect();
                 let sum: f64 = w.iter().sum();
-                for (fe, we) in f.iter_mut().zip(&w) {
-                    *fe += (we / sum) as f32 / ctx.group as f32;
-                }
+                let p: Vec<f32> = w.iter().map(|we| (we / sum) as f32).collect();
+                self.cfg.agg(&mut inc, &p, k, nheads);
             }
+            f.iter_mut().zip(&inc).for_each(|(a, x)| *a += x);
             if c.len() > ctx.budget {
                 let n = c.len();
                 let pos = c.positions();
@@ -300,6 +354,32 @@ mod tests {
             .gain(4000, 1000, 128),
             1.0
         );
+    }
+
+    #[test]
+    fn group_reductions() {
+        let (m, s, x) = (
+            cfg(),
+            AhaKv {
+                gqa_agg: 1,
+                ..cfg()
+            },
+            AhaKv {
+                gqa_agg: 2,
+                ..cfg()
+            },
+        );
+        let rows = [[0.2f32, 0.8], [0.6, 0.4]];
+        let run = |c: &AhaKv| {
+            let mut acc = vec![0f32; 2];
+            for (i, r) in rows.iter().enumerate() {
+                c.agg(&mut acc, r, i, 2);
+            }
+            acc
+        };
+        assert_eq!(run(&m), vec![0.4, 0.6]);
+        assert_eq!(run(&s), vec![0.8, 1.2]);
+        assert_eq!(run(&x), vec![0.6, 0.8]);
     }
 
     #[test]
