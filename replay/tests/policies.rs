@@ -837,3 +837,54 @@ fn ahakv_per_query_head_keeps_one_cache_per_query_head() {
         assert!(caches.iter().all(|c| c.len() == 12));
     }
 }
+
+/// D2O match_on=split: the key half follows key similarity and the value half
+/// value similarity, each to its own target; positions follow the key half.
+#[test]
+fn d2o_split_matching_merges_halves_separately() {
+    let deg = |a: f32| [a.to_radians().cos(), a.to_radians().sin()];
+    let keys = [
+        deg(180.0),
+        deg(8.0),
+        deg(0.0),
+        deg(90.0),
+        deg(115.84),
+        deg(270.0),
+        deg(270.0),
+        deg(45.0),
+    ];
+    let mut data = keyed_layer(&keys, vec![9.0, 1.0, 5.0, 4.0, 1.0, 1.0, 1.0, 1.0], 2);
+    let vals: [[f32; 2]; 8] = [
+        [1.0, 0.0],
+        [-1.0, 0.0],
+        [0.0, 1.0],
+        [-1.0, 0.0],
+        [-1.0, 0.0],
+        [-1.0, 0.0],
+        [-1.0, 0.0],
+        [0.0, -1.0],
+    ];
+    for (i, v) in vals.iter().enumerate() {
+        data.v[2 * i..2 * i + 2].copy_from_slice(v);
+    }
+    let p = PolicySpec::parse("d2o:n_sink=1,threshold=none,match_on=split")
+        .unwrap()
+        .build()
+        .unwrap();
+    let (caches, _) = p.prefill(&PrefillCtx::new(&data, 4)).unwrap();
+    let c = &caches[0];
+    // key half: 1 -> 2, 4 -> 3, 5 and 6 -> 0 (cosine 0 with both 0 and 2: the earliest wins)
+    assert_eq!(
+        c.members,
+        vec![vec![0, 5, 6], vec![1, 2], vec![3, 4], vec![7]]
+    );
+    // value half: every evicted value is (-1, 0), closest to position 3's value
+    assert_eq!(c.value(1), &[0.0, 1.0], "position 2's value is untouched");
+    assert_eq!(c.value(3), &[0.0, -1.0]);
+    assert_eq!(c.value(2), &[-1.0, 0.0], "a convex mix of equal vectors");
+    assert_ne!(
+        c.key(1),
+        &[1.0, 0.0],
+        "position 2's key absorbed position 1's"
+    );
+}

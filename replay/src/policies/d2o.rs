@@ -35,7 +35,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "sink_slot", default: "important", kind: Kind::Choice(&["important", "recent"]), help: "sinks count inside N (official code) or inside M (paper wording)" },
         ParamInfo { name: "threshold", default: "ema", kind: Kind::Choice(&["ema", "none"]), help: "filter evicted tokens by the EMA threshold, or merge them all" },
         ParamInfo { name: "merge", default: "weighted", kind: Kind::Choice(&["weighted", "average", "code_scaled_mean"]), help: "e-weighted convex merge (paper), plain mean, or the code's (k + Σ μ k_x)/(1 + |B|)" },
-        ParamInfo { name: "match_on", default: "keys", kind: Kind::Choice(&["keys", "values"]), help: "similarity used to match evicted tokens" },
+        ParamInfo { name: "match_on", default: "keys", kind: Kind::Choice(&["keys", "values", "split"]), help: "similarity used to match evicted tokens: keys, values, or keys for the key half and values for the value half (own thresholds)" },
         ParamInfo { name: "allocation", default: "inv_var_softmax", kind: Kind::Choice(&["inv_var_softmax", "uniform", "reciprocal", "exp_decay", "inv_var_softmax_raw"]), help: "layer budget rule (Table 4 variants; uniform = without the layer operation)" },
         ParamInfo { name: "protect_layers", default: "false", kind: Kind::Bool, help: "official code: layers 0, 1 and L−1 are never compressed" },
     ],
@@ -54,7 +54,8 @@ pub struct D2o {
     pub sinks_in_recent: bool,
     pub ema: bool,
     pub merge: String,
-    pub match_values: bool,
+    /// 0 keys, 1 values, 2 split (keys for keys, values for values)
+    pub match_on: u8,
     pub allocation: String,
     pub protect_layers: bool,
     /// One cache per query head (the official code repeats K/V per query head).
@@ -83,7 +84,11 @@ impl D2o {
             sinks_in_recent: p.word("sink_slot") == "recent",
             ema: p.word("threshold") == "ema",
             merge: p.word("merge").into(),
-            match_values: p.word("match_on") == "values",
+            match_on: match p.word("match_on") {
+                "values" => 1,
+                "split" => 2,
+                _ => 0,
+            },
             allocation: p.word("allocation").into(),
             protect_layers: p.bool("protect_layers")?,
             per_query_head: false,
@@ -172,7 +177,8 @@ struct HeadState {
     score: Vec<f64>,
     anchor: Vec<usize>,
     sink: Vec<bool>,
-    tau: Option<f64>,
+    /// EMA thresholds: [the match (or key half), the value half under split].
+    tau: [Option<f64>; 2],
 }
 
 fn cos(a: &[f32], b: &[f32]) -> f64 {
@@ -187,7 +193,8 @@ fn cos(a: &[f32], b: &[f32]) -> f64 {
 
 impl D2o {
     /// Recall-and-merge: fold the entries `evict` (indices into `c`) into their
-    /// most similar kept entry when similar enough, then remove them.
+    /// most similar kept entry when similar enough, then remove them. Every
+    /// similarity and weight uses the vectors as they stood on entry.
     fn compensate(&self, c: &mut HeadCache, st: &mut HeadState, evict: &[usize]) {
         if evict.is_empty() {
             return;
@@ -195,76 +202,85 @@ impl D2o {
         let d = c.d;
         let kept: Vec<usize> = (0..c.len()).filter(|e| !evict.contains(e)).collect();
         if !kept.is_empty() {
-            let vecs = |e: usize| {
-                if self.match_values {
-                    c.value(e)
-                } else {
-                    c.key(e)
-                }
+            let (old_k, old_v) = (c.keys.clone(), c.values.clone());
+            let row = |m: &[f32], e: usize| -> Vec<f32> { m[e * d..(e + 1) * d].to_vec() };
+            // (similarity on values?, merge the keys?, merge the values?, threshold slot)
+            let passes: &[(bool, bool, bool, usize)] = match self.match_on {
+                1 => &[(true, true, true, 0)],
+                2 => &[(false, true, false, 0), (true, false, true, 1)],
+                _ => &[(false, true, true, 0)],
             };
-            // best match of each evicted entry (ties: lowest anchor = earliest kept index)
-            let matches: Vec<(usize, f64)> = evict
-                .iter()
-                .map(|&e| {
-                    let mut best = (kept[0], f64::MIN);
-                    for &k in &kept {
-                        let u = cos(vecs(e), vecs(k));
-                        if u > best.1 {
-                            best = (k, u);
+            for &(on_values, merge_k, merge_v, slot) in passes {
+                let sim = if on_values { &old_v } else { &old_k };
+                // best match of each evicted entry (ties: the earliest kept entry)
+                let matches: Vec<(usize, f64)> = evict
+                    .iter()
+                    .map(|&e| {
+                        let mut best = (kept[0], f64::MIN);
+                        for &k in &kept {
+                            let u = cos(&row(sim, e), &row(sim, k));
+                            if u > best.1 {
+                                best = (k, u);
+                            }
+                        }
+                        best
+                    })
+                    .collect();
+                let m = matches.iter().map(|x| x.1).sum::<f64>() / matches.len() as f64;
+                let tau = if self.ema {
+                    let t = match st.tau[slot] {
+                        None => m,
+                        Some(prev) => self.beta * m + (1.0 - self.beta) * prev,
+                    };
+                    st.tau[slot] = Some(t);
+                    t
+                } else {
+                    f64::MIN
+                };
+                for &k in &kept {
+                    let absorbed: Vec<(usize, f64)> = evict
+                        .iter()
+                        .zip(&matches)
+                        .filter(|(_, (t, u))| *t == k && *u >= tau)
+                        .map(|(&e, (_, u))| (e, *u))
+                        .collect();
+                    if absorbed.is_empty() {
+                        continue;
+                    }
+                    let (wk, ws): (f64, Vec<f64>) = match self.merge.as_str() {
+                        "average" => (1.0, vec![1.0; absorbed.len()]),
+                        "code_scaled_mean" => (1.0, absorbed.iter().map(|x| x.1).collect()),
+                        _ => (1f64.exp(), absorbed.iter().map(|x| x.1.exp()).collect()),
+                    };
+                    let denom = match self.merge.as_str() {
+                        "weighted" => wk + ws.iter().sum::<f64>(),
+                        _ => 1.0 + absorbed.len() as f64,
+                    };
+                    for (merge, dst, src) in [
+                        (merge_k, &mut c.keys, &old_k),
+                        (merge_v, &mut c.values, &old_v),
+                    ] {
+                        if !merge {
+                            continue;
+                        }
+                        for ch in 0..d {
+                            let mut x = wk * src[k * d + ch] as f64;
+                            for ((e, _), w) in absorbed.iter().zip(&ws) {
+                                x += w * src[e * d + ch] as f64;
+                            }
+                            dst[k * d + ch] = (x / denom) as f32;
                         }
                     }
-                    best
-                })
-                .collect();
-            let m = matches.iter().map(|x| x.1).sum::<f64>() / matches.len() as f64;
-            let tau = if self.ema {
-                let t = match st.tau {
-                    None => m,
-                    Some(prev) => self.beta * m + (1.0 - self.beta) * prev,
-                };
-                st.tau = Some(t);
-                t
-            } else {
-                f64::MIN
-            };
-            // Group accepted evictions by target; weights use the pre-merge keys.
-            let old_k = c.keys.clone();
-            let old_v = c.values.clone();
-            for &k in &kept {
-                let absorbed: Vec<(usize, f64)> = evict
-                    .iter()
-                    .zip(&matches)
-                    .filter(|(_, (t, u))| *t == k && *u >= tau)
-                    .map(|(&e, (_, u))| (e, *u))
-                    .collect();
-                if absorbed.is_empty() {
-                    continue;
-                }
-                let (wk, ws): (f64, Vec<f64>) = match self.merge.as_str() {
-                    "average" => (1.0, vec![1.0; absorbed.len()]),
-                    "code_scaled_mean" => (1.0, absorbed.iter().map(|x| x.1).collect()),
-                    _ => (1f64.exp(), absorbed.iter().map(|x| x.1.exp()).collect()),
-                };
-                let denom = match self.merge.as_str() {
-                    "weighted" => wk + ws.iter().sum::<f64>(),
-                    _ => 1.0 + absorbed.len() as f64,
-                };
-                for ch in 0..d {
-                    let mut kk = wk * old_k[k * d + ch] as f64;
-                    let mut vv = wk * old_v[k * d + ch] as f64;
-                    for ((e, _), w) in absorbed.iter().zip(&ws) {
-                        kk += w * old_k[e * d + ch] as f64;
-                        vv += w * old_v[e * d + ch] as f64;
+                    if merge_k {
+                        // positions follow the key half
+                        let mut mem = std::mem::take(&mut c.members[k]);
+                        for (e, _) in &absorbed {
+                            mem.extend_from_slice(&c.members[*e]);
+                        }
+                        mem.sort_unstable();
+                        c.members[k] = mem;
                     }
-                    c.keys[k * d + ch] = (kk / denom) as f32;
-                    c.values[k * d + ch] = (vv / denom) as f32;
                 }
-                let mut mem = std::mem::take(&mut c.members[k]);
-                for (e, _) in &absorbed {
-                    mem.extend_from_slice(&c.members[*e]);
-                }
-                mem.sort_unstable();
-                c.members[k] = mem;
             }
         }
         let mut idx: Vec<usize> = evict.to_vec();
@@ -346,7 +362,7 @@ impl Policy for D2o {
                 score: a.clone(),
                 anchor: (0..p).collect(),
                 sink: (0..p).map(|i| i < z).collect(),
-                tau: None,
+                tau: [None, None],
             };
             if p > cap {
                 let mut keep = vec![false; p];
@@ -450,7 +466,7 @@ mod tests {
             sinks_in_recent: false,
             ema: true,
             merge: "weighted".into(),
-            match_values: false,
+            match_on: 0,
             allocation: "inv_var_softmax".into(),
             protect_layers: false,
             per_query_head: false,
