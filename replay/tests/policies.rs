@@ -888,3 +888,34 @@ fn d2o_split_matching_merges_halves_separately() {
         "position 2's key absorbed position 1's"
     );
 }
+
+/// MiniCache-4bit: directions quantised (per-token groups of 32 channels, f16
+/// scale and minimum), re-normalised; norms and retained tokens stay f16.
+#[test]
+fn minicache_4bit_directions_cost_their_quantised_bits() {
+    let a = random_layer(31, 4, 2, 8, 20, 24);
+    let mut b = random_layer(31, 4, 2, 8, 20, 24);
+    b.layer = 1;
+    a.k.iter()
+        .zip(b.k.iter_mut())
+        .for_each(|(x, y)| *y = 2.0 * x);
+    a.v.iter()
+        .zip(b.v.iter_mut())
+        .for_each(|(x, y)| *y = 2.0 * x);
+    let p = PolicySpec::parse("minicache:start=0,b_dir=4")
+        .unwrap()
+        .build()
+        .unwrap();
+    let r = kvreplay_replay::engine::replay_group(&[a, b], p.as_ref(), 10).unwrap();
+    // per position and half: a 4-bit direction (8·4 + 2·16 bits) + two f16 norms
+    let per_head_bits = 24 * 2 * (8 * 4 + 2 * 16 + 2 * 16);
+    assert_eq!((r[0].bytes + r[1].bytes) * 8, 2 * per_head_bits as u64);
+    for l in &r {
+        for m in &l.metrics {
+            assert!(
+                m.rel_l2 < 0.2 && m.rel_l2 > 1e-4,
+                "4-bit directions lose a little: {m:?}"
+            );
+        }
+    }
+}

@@ -40,6 +40,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "merge_decode", default: "true", kind: Kind::Bool, help: "merge decode positions after each step (false: xKV, prefill only)" },
         ParamInfo { name: "compact", default: "false", kind: Kind::Bool, help: "store no direction for retained positions" },
         ParamInfo { name: "merge", default: "slerp", kind: Kind::Choice(&["slerp", "mean"]), help: "SLERP with norms (MiniCache) or the Mean-KV baseline (x̂ = (x^a + x^b)/2, no retention)" },
+        ParamInfo { name: "b_dir", default: "16", kind: Kind::Choice(&["16", "8", "4", "2"]), help: "direction storage bits; below 16 the quantiser's per-token groups of 32 channels with f16 scale and minimum (\"MiniCache-4bit\")" },
         ParamInfo { name: "merge_k", default: "true", kind: Kind::Bool, help: "merge keys" },
         ParamInfo { name: "merge_v", default: "true", kind: Kind::Bool, help: "merge values" },
     ],
@@ -65,6 +66,7 @@ pub struct MiniCache {
     pub mean: bool,
     pub merge_k: bool,
     pub merge_v: bool,
+    pub b_dir: u32,
 }
 
 impl MiniCache {
@@ -86,9 +88,13 @@ impl MiniCache {
             mean: p.word("merge") == "mean",
             merge_k: p.bool("merge_k")?,
             merge_v: p.bool("merge_v")?,
+            b_dir: p.word("b_dir").parse().expect("validated"),
         })
     }
 }
+
+/// Channels per quantisation group of a stored direction (b_dir < 16).
+const DIR_GROUP: usize = 32;
 
 /// One position's merge of a pair of vectors.
 #[derive(Clone, Debug)]
@@ -266,6 +272,7 @@ fn restore(
     mean: bool,
     compact: bool,
     idx_bits: u64,
+    dir_bits: u64,
 ) -> u64 {
     let d = c.d as u64;
     let row = if half == Half::K {
@@ -282,7 +289,7 @@ fn restore(
         row.iter_mut().zip(&m.e).for_each(|(x, u)| *x = n * u);
     }
     let dir = if which == 0 && !(compact && retained) {
-        d * F16_BITS
+        dir_bits
     } else {
         0
     };
@@ -337,8 +344,30 @@ impl MiniCache {
                     } else {
                         32
                     };
-                    bits_a += restore(ca, e, half, 0, m, retained, self.mean, self.compact, idx);
-                    bits_b += restore(cb, e, half, 1, m, retained, self.mean, self.compact, idx);
+                    bits_a += restore(
+                        ca,
+                        e,
+                        half,
+                        0,
+                        m,
+                        retained,
+                        self.mean,
+                        self.compact,
+                        idx,
+                        self.dir_bits(d),
+                    );
+                    bits_b += restore(
+                        cb,
+                        e,
+                        half,
+                        1,
+                        m,
+                        retained,
+                        self.mean,
+                        self.compact,
+                        idx,
+                        self.dir_bits(d),
+                    );
                 }
                 _ => {
                     bits_a += d * F16_BITS;
@@ -350,12 +379,32 @@ impl MiniCache {
         cb.bits[e] = bits_b;
     }
 
+    /// Bits of one stored direction of `d` elements.
+    fn dir_bits(&self, d: u64) -> u64 {
+        if self.b_dir >= 16 {
+            d * F16_BITS
+        } else {
+            d * self.b_dir as u64 + 2 * F16_BITS * d.div_ceil(DIR_GROUP as u64)
+        }
+    }
+
     fn merges(&self, a: &HeadCache, b: &HeadCache, e: usize) -> [Option<Merged>; 2] {
         let f = |x: &[f32], y: &[f32]| {
             if self.mean {
                 mean_merge(x, y)
             } else {
-                merge_token(x, y, self.t)
+                let mut m = merge_token(x, y, self.t);
+                if self.b_dir < 16 {
+                    // quantise the stored direction, then re-normalise it (landscape.md A5.10)
+                    for chunk in m.e.chunks_mut(DIR_GROUP) {
+                        super::quant::fake_quant(chunk, self.b_dir);
+                    }
+                    let n = norm(&m.e);
+                    if n > 0.0 {
+                        m.e.iter_mut().for_each(|v| *v /= n);
+                    }
+                }
+                m
             }
         };
         [
