@@ -813,8 +813,8 @@ fn d2o_code_preset() {
         .unwrap();
     let (caches, _) = p.prefill(&PrefillCtx::new(&data, 12)).unwrap();
     assert_eq!(caches.len(), 4, "one cache per query head");
-    // f = 0.5 (N:M = 1:1) with φ = 1/L: r = 6·12/30·(1/6) = 0.4 -> N = M = 6
-    assert!(caches.iter().all(|c| c.len() == 12));
+    // the first compression waits for decode step 1 (d2o_code_preset_defers_the_first_compression)
+    assert!(caches.iter().all(|c| c.len() == 30));
     data.layer = 5;
     let (caches, _) = p.prefill(&PrefillCtx::new(&data, 12)).unwrap();
     assert!(
@@ -917,5 +917,23 @@ fn minicache_4bit_directions_cost_their_quantised_bits() {
                 "4-bit directions lose a little: {m:?}"
             );
         }
+    }
+}
+
+/// D2O's code preset compresses at decode step 1: step 1 still attends over the
+/// whole prompt, and from then on each cache holds the budget of P + 1 positions.
+#[test]
+fn d2o_code_preset_defers_the_first_compression() {
+    let mut data = random_layer(9, 4, 2, 8, 30, 40);
+    data.layer = 2;
+    data.n_layers = 6;
+    let steps = run_steps("d2o:preset=code", &data, 12);
+    assert!(
+        steps[0].iter().all(|c| c.len() == 30),
+        "nothing compressed at prefill"
+    );
+    // r = 0.4, f = 0.5 over P + 1 = 31 positions: N = M = 6
+    for (i, caches) in steps.iter().enumerate().skip(1) {
+        assert!(caches.iter().all(|c| c.len() == 12), "step {i}");
     }
 }

@@ -60,6 +60,9 @@ pub struct D2o {
     pub protect_layers: bool,
     /// One cache per query head (the official code repeats K/V per query head).
     pub per_query_head: bool,
+    /// First compression at decode step 1 with the first decode query's
+    /// attention in the scores and budgets from P + 1 (official code).
+    pub defer_first: bool,
 }
 
 impl D2o {
@@ -92,13 +95,14 @@ impl D2o {
             allocation: p.word("allocation").into(),
             protect_layers: p.bool("protect_layers")?,
             per_query_head: false,
+            defer_first: false,
         }
         .with_preset(p.word("preset")))
     }
 
-    /// The official code's settings (d2o.md §2.6 items a, c, e, f, g, i). Not
-    /// reproduced: first compression at decode step 1 (b), one τ shared by the
-    /// heads of a layer (d), layers that stop compressing (h), fp16 scores (j).
+    /// The official code's settings (d2o.md §2.6 items a, b, c, e, f, g, i).
+    /// Not reproduced: one τ shared by the heads of a layer (d), layers that
+    /// stop compressing after step 1 (h), fp16 score accumulation (j).
     fn with_preset(self, preset: &str) -> D2o {
         if preset != "code" {
             return self;
@@ -106,6 +110,7 @@ impl D2o {
         D2o {
             protect_layers: true,
             per_query_head: true,
+            defer_first: true,
             merge: "code_scaled_mean".into(),
             beta: 0.5,
             f: 0.5,
@@ -163,13 +168,22 @@ impl D2o {
     }
 }
 
-/// (N, M) of layer `l` for an average budget `b` per layer.
-pub fn layer_counts(phi: f64, n_layers: usize, b: usize, p: usize, f: f64) -> (usize, usize) {
-    let r = (n_layers as f64 * b as f64 * phi / p as f64).clamp(0.01, 1.0);
+/// r_l = clamp(L·B·φ_l/P, 0.01, 1): the layer's share of the prompt.
+pub fn layer_ratio(phi: f64, n_layers: usize, b: usize, p: usize) -> f64 {
+    (n_layers as f64 * b as f64 * phi / p as f64).clamp(0.01, 1.0)
+}
+
+/// (N, M) for a layer ratio `r` over `len` positions.
+pub fn counts(r: f64, len: usize, f: f64) -> (usize, usize) {
     (
-        (r * f * p as f64).floor() as usize,
-        (r * (1.0 - f) * p as f64).floor() as usize,
+        (r * f * len as f64).floor() as usize,
+        (r * (1.0 - f) * len as f64).floor() as usize,
     )
+}
+
+/// (N, M) of a layer for an average budget `b` per layer.
+pub fn layer_counts(phi: f64, n_layers: usize, b: usize, p: usize, f: f64) -> (usize, usize) {
+    counts(layer_ratio(phi, n_layers, b, p), p, f)
 }
 
 /// Per-(layer, KV head) state: scores, anchors and sink flags of the entries, τ.
@@ -192,6 +206,37 @@ fn cos(a: &[f32], b: &[f32]) -> f64 {
 }
 
 impl D2o {
+    /// The first compression of a cache whose entry i is position i: keep the
+    /// sinks (inside N, or inside M with `sink_slot=recent`), the N highest
+    /// scores and the last M entries; recall-and-merge the rest.
+    fn initial_compress(&self, c: &mut HeadCache, st: &mut HeadState, n: usize, m: usize) {
+        let p = c.len();
+        let (z, recent_start) = if self.sinks_in_recent {
+            let z = self.n_sink.min(m).min(p);
+            (z, p.saturating_sub(m - z))
+        } else {
+            (self.n_sink.min(n).min(p), p.saturating_sub(m))
+        };
+        st.sink = (0..p).map(|i| i < z).collect();
+        if p <= n.saturating_add(m) {
+            return;
+        }
+        let a = &st.score;
+        let mut keep = vec![false; p];
+        (0..z).for_each(|i| keep[i] = true);
+        (recent_start.max(z)..p).for_each(|i| keep[i] = true);
+        let n_top = if self.sinks_in_recent { n } else { n - z };
+        let mut cand: Vec<usize> = (z..recent_start.max(z)).collect();
+        cand.sort_by(|&x, &y| {
+            a[y].partial_cmp(&a[x])
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then(x.cmp(&y))
+        });
+        cand.iter().take(n_top).for_each(|&i| keep[i] = true);
+        let evict: Vec<usize> = (0..p).filter(|&i| !keep[i]).collect();
+        self.compensate(c, st, &evict);
+    }
+
     /// Recall-and-merge: fold the entries `evict` (indices into `c`) into their
     /// most similar kept entry when similar enough, then remove them. Every
     /// similarity and weight uses the vectors as they stood on entry.
@@ -328,10 +373,11 @@ impl Policy for D2o {
             None => 1.0 / nl as f64,
         };
         let protected_layer = self.protect_layers && (l < 2 || l + 1 == nl);
+        let r = layer_ratio(phi, nl, b, p);
         let (n, m) = if protected_layer {
             (usize::MAX / 4, usize::MAX / 4)
         } else {
-            layer_counts(phi, nl, b, p, self.f)
+            counts(r, p, self.f)
         };
         let cap = n.saturating_add(m);
         let mut caches = Vec::new();
@@ -351,33 +397,15 @@ impl Policy for D2o {
             let a: Vec<f64> = (0..p)
                 .map(|i| heads.clone().map(|h| ctx.colsum(h)[i] as f64).sum())
                 .collect();
-            let (z, recent_start) = if self.sinks_in_recent {
-                let z = self.n_sink.min(m);
-                (z, p.saturating_sub(m - z))
-            } else {
-                (self.n_sink.min(n).min(p), p.saturating_sub(m))
-            };
             let mut c = ctx.full_cache(g);
             let mut st = HeadState {
-                score: a.clone(),
+                score: a,
                 anchor: (0..p).collect(),
-                sink: (0..p).map(|i| i < z).collect(),
+                sink: vec![false; p],
                 tau: [None, None],
             };
-            if p > cap {
-                let mut keep = vec![false; p];
-                (0..z).for_each(|i| keep[i] = true);
-                (recent_start.max(z)..p).for_each(|i| keep[i] = true);
-                let n_top = if self.sinks_in_recent { n } else { n - z };
-                let mut cand: Vec<usize> = (z..recent_start.max(z)).collect();
-                cand.sort_by(|&x, &y| {
-                    a[y].partial_cmp(&a[x])
-                        .unwrap_or(std::cmp::Ordering::Equal)
-                        .then(x.cmp(&y))
-                });
-                cand.iter().take(n_top).for_each(|&i| keep[i] = true);
-                let evict: Vec<usize> = (0..p).filter(|&i| !keep[i]).collect();
-                self.compensate(&mut c, &mut st, &evict);
+            if !self.defer_first || protected_layer {
+                self.initial_compress(&mut c, &mut st, n, m);
             }
             caches.push(c);
             states.push(st);
@@ -388,6 +416,7 @@ impl Policy for D2o {
                 cfg: self.clone(),
                 cap,
                 m,
+                pending: (self.defer_first && !protected_layer).then_some(r),
                 states,
             }),
         ))
@@ -398,11 +427,19 @@ struct Decode {
     cfg: D2o,
     cap: usize,
     m: usize,
+    /// Some(r_l) until the deferred first compression has run.
+    pending: Option<f64>,
     states: Vec<HeadState>,
 }
 
 impl DecodeState for Decode {
     fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
+        if let Some(r) = self.pending {
+            // from now on the caches hold the budgets of P + 1 positions
+            let (n, m) = counts(r, ctx.pos + 1, self.cfg.f);
+            self.cap = n + m;
+            self.m = m;
+        }
         for (ci, c) in caches.iter_mut().enumerate() {
             let st = &mut self.states[ci];
             st.score.push(0.0);
@@ -417,6 +454,12 @@ impl DecodeState for Decode {
                 for (s, x) in st.score.iter_mut().zip(&ctx.probs[h]) {
                     *s += *x as f64;
                 }
+            }
+            if let Some(r) = self.pending {
+                // deferred first compression: budgets from the positions seen so far (P + 1)
+                let (n, m) = counts(r, c.len(), self.cfg.f);
+                self.cfg.initial_compress(c, st, n, m);
+                continue;
             }
             if c.len() <= self.cap {
                 continue;
@@ -441,6 +484,7 @@ impl DecodeState for Decode {
                 self.cfg.compensate(c, st, &[e]);
             }
         }
+        self.pending = None;
     }
 }
 
@@ -470,6 +514,7 @@ mod tests {
             allocation: "inv_var_softmax".into(),
             protect_layers: false,
             per_query_head: false,
+            defer_first: false,
         };
         let phi = d.layer_shares(
             &cs.iter().map(|v| v.as_slice()).collect::<Vec<_>>(),

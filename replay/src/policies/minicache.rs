@@ -553,6 +553,7 @@ mod tests {
             mean: false,
             merge_k: true,
             merge_v: true,
+            b_dir: 16,
         };
         let ms: Vec<Merged> = [0.1, 0.2, 0.3, 0.5]
             .iter()
