@@ -937,3 +937,35 @@ fn d2o_code_preset_defers_the_first_compression() {
         assert!(caches.iter().all(|c| c.len() == 12), "step {i}");
     }
 }
+
+/// With the official code's one τ per layer, the evicted entry of every head
+/// merges or is dropped together at each decode step.
+#[test]
+fn d2o_code_preset_shares_the_threshold_across_heads() {
+    let mut data = random_layer(13, 4, 2, 8, 30, 40);
+    data.layer = 2;
+    data.n_layers = 6;
+    let steps = run_steps("d2o:preset=code", &data, 12);
+    let covered = |caches: &Vec<HeadCache>| -> Vec<usize> {
+        caches
+            .iter()
+            .map(|c| c.members.iter().map(|m| m.len()).sum())
+            .collect()
+    };
+    let mut decisions = 0;
+    for i in 2..steps.len() {
+        let (before, after) = (covered(&steps[i - 1]), covered(&steps[i]));
+        // the step's token arrives (+1); a merged eviction keeps every position
+        let merged: Vec<bool> = before
+            .iter()
+            .zip(&after)
+            .map(|(b, a)| b + 1 == *a)
+            .collect();
+        assert!(
+            merged.iter().all(|&m| m == merged[0]),
+            "step {i}: {merged:?}"
+        );
+        decisions += 1;
+    }
+    assert!(decisions > 5);
+}

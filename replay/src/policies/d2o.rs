@@ -63,6 +63,10 @@ pub struct D2o {
     /// First compression at decode step 1 with the first decode query's
     /// attention in the scores and budgets from P + 1 (official code).
     pub defer_first: bool,
+    /// One τ per layer shared by all its heads (official code).
+    pub shared_tau: bool,
+    /// Scores accumulated in f16 (official code).
+    pub fp16_scores: bool,
 }
 
 impl D2o {
@@ -96,13 +100,16 @@ impl D2o {
             protect_layers: p.bool("protect_layers")?,
             per_query_head: false,
             defer_first: false,
+            shared_tau: false,
+            fp16_scores: false,
         }
         .with_preset(p.word("preset")))
     }
 
-    /// The official code's settings (d2o.md §2.6 items a, b, c, e, f, g, i).
-    /// Not reproduced: one τ shared by the heads of a layer (d), layers that
-    /// stop compressing after step 1 (h), fp16 score accumulation (j).
+    /// The official code's settings (d2o.md §2.6 items a to j): protected
+    /// layers, first compression at decode step 1, per-query-head caches, one τ
+    /// per layer, scaled-mean merge, τ ← (τ + m)/2, sinks inside N, layers
+    /// whose budget reaches P − 1 stop compressing, N:M = 1:1, f16 scores.
     fn with_preset(self, preset: &str) -> D2o {
         if preset != "code" {
             return self;
@@ -111,6 +118,8 @@ impl D2o {
             protect_layers: true,
             per_query_head: true,
             defer_first: true,
+            shared_tau: true,
+            fp16_scores: true,
             merge: "code_scaled_mean".into(),
             beta: 0.5,
             f: 0.5,
@@ -208,9 +217,8 @@ fn cos(a: &[f32], b: &[f32]) -> f64 {
 impl D2o {
     /// The first compression of a cache whose entry i is position i: keep the
     /// sinks (inside N, or inside M with `sink_slot=recent`), the N highest
-    /// scores and the last M entries; recall-and-merge the rest.
-    fn initial_compress(&self, c: &mut HeadCache, st: &mut HeadState, n: usize, m: usize) {
-        let p = c.len();
+    /// scores and the last M entries; returns the rest (to recall-and-merge).
+    fn initial_evictions(&self, p: usize, st: &mut HeadState, n: usize, m: usize) -> Vec<usize> {
         let (z, recent_start) = if self.sinks_in_recent {
             let z = self.n_sink.min(m).min(p);
             (z, p.saturating_sub(m - z))
@@ -219,7 +227,7 @@ impl D2o {
         };
         st.sink = (0..p).map(|i| i < z).collect();
         if p <= n.saturating_add(m) {
-            return;
+            return Vec::new();
         }
         let a = &st.score;
         let mut keep = vec![false; p];
@@ -233,8 +241,7 @@ impl D2o {
                 .then(x.cmp(&y))
         });
         cand.iter().take(n_top).for_each(|&i| keep[i] = true);
-        let evict: Vec<usize> = (0..p).filter(|&i| !keep[i]).collect();
-        self.compensate(c, st, &evict);
+        (0..p).filter(|&i| !keep[i]).collect()
     }
 
     /// The passes of recall-and-merge: (similarity on values?, merge the keys?,
@@ -269,7 +276,16 @@ impl D2o {
     /// Fold the accepted evicted entries into their matches (weights from the
     /// vectors as they stood on entry: `old_k`, `old_v`).
     #[allow(clippy::too_many_arguments)]
-    fn merge_pass(&self, c: &mut HeadCache, old: (&[f32], &[f32]), evict: &[usize], kept: &[usize], matches: &[(usize, f64)], accept: &[bool], merge: (bool, bool)) {
+    fn merge_pass(
+        &self,
+        c: &mut HeadCache,
+        old: (&[f32], &[f32]),
+        evict: &[usize],
+        kept: &[usize],
+        matches: &[(usize, f64)],
+        accept: &[bool],
+        merge: (bool, bool),
+    ) {
         let d = c.d;
         for &k in kept {
             let absorbed: Vec<(usize, f64)> = evict
@@ -291,7 +307,10 @@ impl D2o {
                 "weighted" => wk + ws.iter().sum::<f64>(),
                 _ => 1.0 + absorbed.len() as f64,
             };
-            for (on, dst, src) in [(merge.0, &mut c.keys, old.0), (merge.1, &mut c.values, old.1)] {
+            for (on, dst, src) in [
+                (merge.0, &mut c.keys, old.0),
+                (merge.1, &mut c.values, old.1),
+            ] {
                 if !on {
                     continue;
                 }
@@ -332,7 +351,12 @@ impl D2o {
     /// most similar kept entry when similar enough, then remove them. Every
     /// similarity and weight uses the vectors as they stood on entry.
     fn compensate(&self, c: &mut HeadCache, st: &mut HeadState, evict: &[usize]) {
-        self.compensate_layer(std::slice::from_mut(c), std::slice::from_mut(st), &[evict.to_vec()], None);
+        self.compensate_layer(
+            std::slice::from_mut(c),
+            std::slice::from_mut(st),
+            &[evict.to_vec()],
+            None,
+        );
     }
 
     /// Recall-and-merge for several heads at once. With `shared` (the official
@@ -340,35 +364,80 @@ impl D2o {
     /// evicted slots, and the j-th evicted entry (in position order) of every
     /// head merges when the heads' mean best similarity for slot j reaches it;
     /// otherwise each head keeps its own τ.
-    fn compensate_layer(&self, caches: &mut [HeadCache], states: &mut [HeadState], evicts: &[Vec<usize>], mut shared: Option<&mut [Option<f64>; 2]>) {
-        let kept: Vec<Vec<usize>> = caches.iter().zip(evicts).map(|(c, ev)| (0..c.len()).filter(|e| !ev.contains(e)).collect()).collect();
-        let old: Vec<(Vec<f32>, Vec<f32>)> = caches.iter().map(|c| (c.keys.clone(), c.values.clone())).collect();
+    fn compensate_layer(
+        &self,
+        caches: &mut [HeadCache],
+        states: &mut [HeadState],
+        evicts: &[Vec<usize>],
+        mut shared: Option<&mut [Option<f64>; 2]>,
+    ) {
+        let kept: Vec<Vec<usize>> = caches
+            .iter()
+            .zip(evicts)
+            .map(|(c, ev)| (0..c.len()).filter(|e| !ev.contains(e)).collect())
+            .collect();
+        let old: Vec<(Vec<f32>, Vec<f32>)> = caches
+            .iter()
+            .map(|c| (c.keys.clone(), c.values.clone()))
+            .collect();
         for &(on_values, merge_k, merge_v, slot) in self.passes() {
-            let live: Vec<usize> = (0..caches.len()).filter(|&i| !evicts[i].is_empty() && !kept[i].is_empty()).collect();
+            let live: Vec<usize> = (0..caches.len())
+                .filter(|&i| !evicts[i].is_empty() && !kept[i].is_empty())
+                .collect();
             let matches: Vec<Vec<(usize, f64)>> = (0..caches.len())
-                .map(|i| if live.contains(&i) { Self::matches(if on_values { &old[i].1 } else { &old[i].0 }, caches[i].d, &evicts[i], &kept[i]) } else { Vec::new() })
+                .map(|i| {
+                    if live.contains(&i) {
+                        Self::matches(
+                            if on_values { &old[i].1 } else { &old[i].0 },
+                            caches[i].d,
+                            &evicts[i],
+                            &kept[i],
+                        )
+                    } else {
+                        Vec::new()
+                    }
+                })
                 .collect();
             let accept: Vec<Vec<bool>> = match shared.as_deref_mut() {
                 Some(taus) if !live.is_empty() => {
                     let slots = live.iter().map(|&i| matches[i].len()).min().unwrap();
-                    let mean_slot: Vec<f64> = (0..slots).map(|j| live.iter().map(|&i| matches[i][j].1).sum::<f64>() / live.len() as f64).collect();
+                    let mean_slot: Vec<f64> = (0..slots)
+                        .map(|j| {
+                            live.iter().map(|&i| matches[i][j].1).sum::<f64>() / live.len() as f64
+                        })
+                        .collect();
                     let m = mean_slot.iter().sum::<f64>() / slots.max(1) as f64;
                     let tau = self.update_tau(&mut taus[slot], m);
-                    (0..caches.len()).map(|i| (0..matches[i].len()).map(|j| j < slots && mean_slot[j] >= tau).collect()).collect()
+                    (0..caches.len())
+                        .map(|i| {
+                            (0..matches[i].len())
+                                .map(|j| j < slots && mean_slot[j] >= tau)
+                                .collect()
+                        })
+                        .collect()
                 }
                 _ => (0..caches.len())
                     .map(|i| {
                         if matches[i].is_empty() {
                             return Vec::new();
                         }
-                        let m = matches[i].iter().map(|x| x.1).sum::<f64>() / matches[i].len() as f64;
+                        let m =
+                            matches[i].iter().map(|x| x.1).sum::<f64>() / matches[i].len() as f64;
                         let tau = self.update_tau(&mut states[i].tau[slot], m);
                         matches[i].iter().map(|x| x.1 >= tau).collect()
                     })
                     .collect(),
             };
             for &i in &live {
-                self.merge_pass(&mut caches[i], (&old[i].0, &old[i].1), &evicts[i], &kept[i], &matches[i], &accept[i], (merge_k, merge_v));
+                self.merge_pass(
+                    &mut caches[i],
+                    (&old[i].0, &old[i].1),
+                    &evicts[i],
+                    &kept[i],
+                    &matches[i],
+                    &accept[i],
+                    (merge_k, merge_v),
+                );
             }
         }
         for ((c, st), ev) in caches.iter_mut().zip(states.iter_mut()).zip(evicts) {
@@ -450,7 +519,8 @@ impl Policy for D2o {
                 tau: [None, None],
             };
             if !self.defer_first || protected_layer {
-                self.initial_compress(&mut c, &mut st, n, m);
+                let evict = self.initial_evictions(p, &mut st, n, m);
+                self.compensate(&mut c, &mut st, &evict);
             }
             caches.push(c);
             states.push(st);
@@ -463,6 +533,7 @@ impl Policy for D2o {
                 m,
                 pending: (self.defer_first && !protected_layer).then_some(r),
                 states,
+                layer_tau: [None, None],
             }),
         ))
     }
@@ -475,16 +546,24 @@ struct Decode {
     /// Some(r_l) until the deferred first compression has run.
     pending: Option<f64>,
     states: Vec<HeadState>,
+    /// The layer's shared thresholds (shared_tau).
+    layer_tau: [Option<f64>; 2],
 }
 
 impl DecodeState for Decode {
     fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
         if let Some(r) = self.pending {
-            // from now on the caches hold the budgets of P + 1 positions
+            // from now on the caches hold the budgets of P + 1 positions; a layer
+            // whose budget reaches P − 1 stops compressing (official code)
             let (n, m) = counts(r, ctx.pos + 1, self.cfg.f);
-            self.cap = n + m;
+            self.cap = if n + m + 1 >= ctx.pos {
+                usize::MAX
+            } else {
+                n + m
+            };
             self.m = m;
         }
+        let mut evicts: Vec<Vec<usize>> = vec![Vec::new(); caches.len()];
         for (ci, c) in caches.iter_mut().enumerate() {
             let st = &mut self.states[ci];
             st.score.push(0.0);
@@ -498,12 +577,15 @@ impl DecodeState for Decode {
             for h in heads {
                 for (s, x) in st.score.iter_mut().zip(&ctx.probs[h]) {
                     *s += *x as f64;
+                    if self.cfg.fp16_scores {
+                        *s = half::f16::from_f64(*s).to_f64();
+                    }
                 }
             }
             if let Some(r) = self.pending {
                 // deferred first compression: budgets from the positions seen so far (P + 1)
                 let (n, m) = counts(r, c.len(), self.cfg.f);
-                self.cfg.initial_compress(c, st, n, m);
+                evicts[ci] = self.cfg.initial_evictions(c.len(), st, n, m);
                 continue;
             }
             if c.len() <= self.cap {
@@ -526,9 +608,12 @@ impl DecodeState for Decode {
                         .then(st.anchor[x].cmp(&st.anchor[y]))
                 });
             if let Some(e) = victim {
-                self.cfg.compensate(c, st, &[e]);
+                evicts[ci] = vec![e];
             }
         }
+        let shared = self.cfg.shared_tau.then_some(&mut self.layer_tau);
+        self.cfg
+            .compensate_layer(caches, &mut self.states, &evicts, shared);
         self.pending = None;
     }
 }
@@ -560,6 +645,8 @@ mod tests {
             protect_layers: false,
             per_query_head: false,
             defer_first: false,
+            shared_tau: false,
+            fp16_scores: false,
         };
         let phi = d.layer_shares(
             &cs.iter().map(|v| v.as_slice()).collect::<Vec<_>>(),
