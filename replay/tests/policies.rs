@@ -969,3 +969,30 @@ fn d2o_code_preset_shares_the_threshold_across_heads() {
     }
     assert!(decisions > 5);
 }
+
+/// MiniCache with f32 norms (b_norm = 32) restores each vector's norm to f32
+/// rounding, and charges 32 bits per norm.
+#[test]
+fn minicache_f32_norms_are_exact() {
+    let a = random_layer(61, 4, 2, 8, 20, 24);
+    let mut b = random_layer(62, 4, 2, 8, 20, 24);
+    b.layer = 1;
+    let (ka, kb) = (a.k.clone(), b.k.clone());
+    let p = PolicySpec::parse("minicache:start=0,b_norm=32,gamma=0")
+        .unwrap()
+        .build()
+        .unwrap();
+    let ctxs = [PrefillCtx::new(&a, 10), PrefillCtx::new(&b, 10)];
+    let (caches, _) = p.prefill_group(&ctxs).unwrap();
+    let nrm = |x: &[f32]| x.iter().map(|v| v * v).sum::<f32>().sqrt();
+    for (layer, orig) in [(0usize, &ka), (1, &kb)] {
+        for e in 0..20 {
+            let want = nrm(&orig[e * 8..(e + 1) * 8]);
+            let got = nrm(caches[layer][0].key(e));
+            assert!(
+                (got - want).abs() <= 1e-5 * want.max(1.0),
+                "layer {layer} position {e}: {got} vs {want}"
+            );
+        }
+    }
+}

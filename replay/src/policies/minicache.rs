@@ -41,6 +41,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "compact", default: "false", kind: Kind::Bool, help: "store no direction for retained positions" },
         ParamInfo { name: "merge", default: "slerp", kind: Kind::Choice(&["slerp", "mean"]), help: "SLERP with norms (MiniCache) or the Mean-KV baseline (x̂ = (x^a + x^b)/2, no retention)" },
         ParamInfo { name: "b_dir", default: "16", kind: Kind::Choice(&["16", "8", "4", "2"]), help: "direction storage bits; below 16 the quantiser's per-token groups of 32 channels with f16 scale and minimum (\"MiniCache-4bit\")" },
+        ParamInfo { name: "b_norm", default: "16", kind: Kind::Choice(&["16", "32"]), help: "norm storage bits (f16, or f32 for exact norms)" },
         ParamInfo { name: "merge_k", default: "true", kind: Kind::Bool, help: "merge keys" },
         ParamInfo { name: "merge_v", default: "true", kind: Kind::Bool, help: "merge values" },
     ],
@@ -67,6 +68,7 @@ pub struct MiniCache {
     pub merge_k: bool,
     pub merge_v: bool,
     pub b_dir: u32,
+    pub b_norm: u32,
 }
 
 impl MiniCache {
@@ -89,6 +91,7 @@ impl MiniCache {
             merge_k: p.bool("merge_k")?,
             merge_v: p.bool("merge_v")?,
             b_dir: p.word("b_dir").parse().expect("validated"),
+            b_norm: p.word("b_norm").parse().expect("validated"),
         })
     }
 }
@@ -273,6 +276,7 @@ fn restore(
     compact: bool,
     idx_bits: u64,
     dir_bits: u64,
+    norm_bits: u64,
 ) -> u64 {
     let d = c.d as u64;
     let row = if half == Half::K {
@@ -298,7 +302,7 @@ fn restore(
     } else {
         0
     };
-    dir + F16_BITS + kept
+    dir + norm_bits + kept
 }
 
 /// Mean-KV: the mean of the two vectors (stored at f16).
@@ -355,6 +359,7 @@ impl MiniCache {
                         self.compact,
                         idx,
                         self.dir_bits(d),
+                        self.b_norm as u64,
                     );
                     bits_b += restore(
                         cb,
@@ -367,6 +372,7 @@ impl MiniCache {
                         self.compact,
                         idx,
                         self.dir_bits(d),
+                        self.b_norm as u64,
                     );
                 }
                 _ => {
@@ -394,6 +400,9 @@ impl MiniCache {
                 mean_merge(x, y)
             } else {
                 let mut m = merge_token(x, y, self.t);
+                if self.b_norm == 32 {
+                    (m.na, m.nb) = (norm(x), norm(y));
+                }
                 if self.b_dir < 16 {
                     // quantise the stored direction, then re-normalise it (landscape.md A5.10)
                     for chunk in m.e.chunks_mut(DIR_GROUP) {
@@ -554,6 +563,7 @@ mod tests {
             merge_k: true,
             merge_v: true,
             b_dir: 16,
+            b_norm: 16,
         };
         let ms: Vec<Merged> = [0.1, 0.2, 0.3, 0.5]
             .iter()
