@@ -1,21 +1,8 @@
 //! `kvreplay policies` and `kvreplay replay` argument errors (no model needed).
 
-use std::process::{Command, Output};
+mod common;
 
-fn kvreplay(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvreplay"))
-        .args(args)
-        .output()
-        .expect("kvreplay runs")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use common::{kvreplay, text};
 
 #[test]
 fn policies_lists_every_registered_policy_with_its_paper_and_parameters() {

@@ -4,59 +4,12 @@
 //! fail rather than skip when something is missing; a bare `cargo test`
 //! without the model prints why each one did not run.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
+use std::process::Command;
 
-const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+mod common;
 
-fn require(what: &str, path: PathBuf, how: &str) -> Option<PathBuf> {
-    if path.exists() {
-        return Some(path);
-    }
-    let msg = format!("{what} not found at {}; {how}", path.display());
-    if std::env::var_os("KVREPLAY_REQUIRE_MODEL").is_some() {
-        panic!("{msg}");
-    }
-    eprintln!("NOT RUN: {msg}");
-    None
-}
-
-fn model() -> Option<PathBuf> {
-    let p = std::env::var_os("KVREPLAY_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(ROOT).join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    require(
-        "the SmolLM2 model",
-        p,
-        "run scripts/fetch-model.sh (or scripts/test.sh)",
-    )
-}
-
-fn python() -> Option<PathBuf> {
-    let p = std::env::var_os("KVREPLAY_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(ROOT).join(".venv-ref/bin/python"));
-    require(
-        "the reference Python environment",
-        p,
-        "run scripts/setup-reference.sh (or scripts/test.sh)",
-    )
-}
-
-fn kvreplay(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvreplay"))
-        .args(args)
-        .output()
-        .expect("kvreplay runs")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use common::{kvreplay, model, python, text, ROOT};
 
 const PROMPT: &str = "Read this carefully. The passkey is 71432, remember it: the quick brown fox jumps over the lazy dog; naïve café — 3.14159! What is the passkey?";
 

@@ -12,24 +12,14 @@ use kvreplay_replay::policy::PrefillCtx;
 use kvreplay_replay::{Budget, PolicySpec, REGISTRY};
 use kvreplay_traces::Trace;
 
-const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+mod common;
 
 /// A passkey prompt of a few hundred tokens, captured once per test binary.
 fn trace() -> Option<&'static Path> {
     static TRACE: OnceLock<Option<(tempfile::TempDir, PathBuf)>> = OnceLock::new();
     TRACE
         .get_or_init(|| {
-            let model = std::env::var_os("KVREPLAY_MODEL")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| Path::new(ROOT).join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-            if !model.exists() {
-                let msg = format!("model not found at {}; run scripts/fetch-model.sh", model.display());
-                if std::env::var_os("KVREPLAY_REQUIRE_MODEL").is_some() {
-                    panic!("{msg}");
-                }
-                eprintln!("NOT RUN: {msg}");
-                return None;
-            }
+            let model = common::model()?;
             let tmp = tempfile::tempdir().unwrap();
             let out = tmp.path().join("passkey.kvtrace");
             let filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ".repeat(6);

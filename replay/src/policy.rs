@@ -171,6 +171,19 @@ impl<'a> PrefillCtx<'a> {
         }
         out
     }
+    /// The caches a policy builds: one per KV head (with its group's query
+    /// heads) or, with `per_query_head`, one per query head (with its KV head).
+    /// Each item is (KV head, the query heads whose attention scores it).
+    pub fn cache_units(&self, per_query_head: bool) -> Vec<(usize, Range<usize>)> {
+        let gs = self.group();
+        if per_query_head {
+            (0..self.n_heads()).map(|h| (h / gs, h..h + 1)).collect()
+        } else {
+            (0..self.n_kv_heads())
+                .map(|g| (g, g * gs..(g + 1) * gs))
+                .collect()
+        }
+    }
     /// The exact entries of `positions` (ascending, < P) of KV head `g`.
     pub fn exact_cache(&self, g: usize, positions: &[usize]) -> HeadCache {
         let mut c = HeadCache::new(self.data.d);
@@ -207,6 +220,14 @@ pub struct StepCtx<'a> {
 }
 
 impl StepCtx<'_> {
+    /// Query heads whose attention belongs to cache `c` (see `PrefillCtx::cache_units`).
+    pub fn heads_of(&self, c: usize, per_query_head: bool) -> Range<usize> {
+        if per_query_head {
+            c..c + 1
+        } else {
+            c * self.group..(c + 1) * self.group
+        }
+    }
     /// Group mean of the step's attention for KV head `g`.
     pub fn group_mean(&self, g: usize) -> Vec<f32> {
         let heads = &self.probs[g * self.group..(g + 1) * self.group];

@@ -188,7 +188,7 @@ impl Policy for AhaKv {
         &self,
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        let (n, b, gs, d) = (ctx.prompt_len(), ctx.budget, ctx.group(), ctx.head_dim());
+        let (n, b, d) = (ctx.prompt_len(), ctx.budget, ctx.head_dim());
         let br = self.recent(b);
         if b <= br {
             return Err(ReplayError::BadParam {
@@ -201,17 +201,7 @@ impl Policy for AhaKv {
         let rows = if self.use_ra { n - br.min(n)..n } else { 0..n };
         let mut caches = Vec::new();
         let mut scores = Vec::new();
-        let n_caches = if self.per_query_head {
-            ctx.n_heads()
-        } else {
-            ctx.n_kv_heads()
-        };
-        for ci in 0..n_caches {
-            let (g, heads) = if self.per_query_head {
-                (ci / gs, ci..ci + 1)
-            } else {
-                (ci, ci * gs..(ci + 1) * gs)
-            };
+        for (g, heads) in ctx.cache_units(self.per_query_head) {
             // F: the group-reduced column sums of the SG rows.
             let mut f = vec![0f32; n];
             let nheads = heads.len();
@@ -280,11 +270,7 @@ impl DecodeState for Evict {
                 ctx.pos + 1
             };
             let gain = self.cfg.gain(count, ctx.budget, self.d);
-            let heads = if self.cfg.per_query_head {
-                ci..ci + 1
-            } else {
-                ci * ctx.group..(ci + 1) * ctx.group
-            };
+            let heads = ctx.heads_of(ci, self.cfg.per_query_head);
             let nheads = heads.len();
             let mut inc = vec![0f32; c.len()];
             for (k, h) in heads.enumerate() {

@@ -458,13 +458,7 @@ impl Policy for D2o {
         &self,
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        let (p, b, gs, nl, l) = (
-            ctx.prompt_len(),
-            ctx.budget,
-            ctx.group(),
-            ctx.n_layers(),
-            ctx.layer(),
-        );
+        let (p, b, nl, l) = (ctx.prompt_len(), ctx.budget, ctx.n_layers(), ctx.layer());
         let phi = match (0..nl)
             .map(|x| ctx.layer_colsum(x, 0).map(|_| x))
             .collect::<Option<Vec<_>>>()
@@ -497,17 +491,7 @@ impl Policy for D2o {
         let mut caches = Vec::new();
         let mut states = Vec::new();
         // One cache per KV head (scores summed over its group), or per query head.
-        let n_caches = if self.per_query_head {
-            ctx.n_heads()
-        } else {
-            ctx.n_kv_heads()
-        };
-        for ci in 0..n_caches {
-            let (g, heads) = if self.per_query_head {
-                (ci / gs, ci..ci + 1)
-            } else {
-                (ci, ci * gs..(ci + 1) * gs)
-            };
+        for (g, heads) in ctx.cache_units(self.per_query_head) {
             let a: Vec<f64> = (0..p)
                 .map(|i| heads.clone().map(|h| ctx.colsum(h)[i] as f64).sum())
                 .collect();
@@ -569,11 +553,7 @@ impl DecodeState for Decode {
             st.score.push(0.0);
             st.anchor.push(ctx.pos);
             st.sink.push(false);
-            let heads = if self.cfg.per_query_head {
-                ci..ci + 1
-            } else {
-                ci * ctx.group..(ci + 1) * ctx.group
-            };
+            let heads = ctx.heads_of(ci, self.cfg.per_query_head);
             for h in heads {
                 for (s, x) in st.score.iter_mut().zip(&ctx.probs[h]) {
                     *s += *x as f64;

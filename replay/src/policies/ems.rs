@@ -20,7 +20,7 @@ use kvreplay_kernels::cpu::{apply_rope, unapply_rope, RopeParams};
 
 use super::PolicyInfo;
 use crate::cache::{HeadCache, F16_BITS};
-use crate::policy::{mean_rows, pool1d, DecodeState, Policy, Pool, PrefillCtx, StepCtx};
+use crate::policy::{pool1d, DecodeState, Policy, Pool, PrefillCtx, StepCtx};
 use crate::spec::{Kind, ParamInfo, Params};
 use crate::ReplayError;
 
@@ -449,7 +449,7 @@ impl Policy for Ems {
         &self,
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        let (n, b, gs, d) = (ctx.prompt_len(), ctx.budget, ctx.group(), ctx.head_dim());
+        let (n, b, d) = (ctx.prompt_len(), ctx.budget, ctx.head_dim());
         let l_win = self.window(b);
         if b <= l_win {
             return Err(ReplayError::BadParam {
@@ -495,33 +495,31 @@ impl Policy for Ems {
                 (glo, loc)
             })
             .collect();
-        let mut states = Vec::new();
-        if self.per_query_head {
-            for (h, (glo, loc)) in per_head.iter().enumerate() {
-                states.push(self.build(ctx, h / gs, glo, loc, &sh));
+        // Each cache scores with the mean of its query heads' scores (one head per
+        // cache with per_query_head, the group's mean with per_kv_head).
+        let mean_of = |heads: std::ops::Range<usize>, pick: fn(&Scores) -> &Vec<f64>| -> Vec<f64> {
+            let k = heads.len() as f64;
+            let mut out = vec![0f64; n];
+            for h in heads {
+                out.iter_mut()
+                    .zip(pick(&per_head[h]))
+                    .for_each(|(o, v)| *o += v / k);
             }
-        } else {
-            // per_kv_head: the group mean of the query heads' scores
-            let group_mean = |g: usize, pick: fn(&Scores) -> &Vec<f64>| -> Vec<f64> {
-                let rows: Vec<Vec<f32>> = per_head[g * gs..(g + 1) * gs]
-                    .iter()
-                    .map(|x| pick(x).iter().map(|v| *v as f32).collect())
-                    .collect();
-                mean_rows(rows.iter().map(|r| r.as_slice()))
-                    .iter()
-                    .map(|v| *v as f64)
-                    .collect()
-            };
-            for g in 0..ctx.n_kv_heads() {
-                states.push(self.build(
+            out
+        };
+        let mut states: Vec<HeadState> = ctx
+            .cache_units(self.per_query_head)
+            .into_iter()
+            .map(|(g, heads)| {
+                self.build(
                     ctx,
                     g,
-                    &group_mean(g, |x| &x.0),
-                    &group_mean(g, |x| &x.1),
+                    &mean_of(heads.clone(), |x| &x.0),
+                    &mean_of(heads, |x| &x.1),
                     &sh,
-                ));
-            }
-        }
+                )
+            })
+            .collect();
         let caches = states.iter_mut().map(|st| self.expand(st, &sh)).collect();
         Ok((
             caches,

@@ -1,0 +1,56 @@
+//! Helpers shared by the binary's integration tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+pub fn require(what: &str, path: PathBuf, how: &str) -> Option<PathBuf> {
+    if path.exists() {
+        return Some(path);
+    }
+    let msg = format!("{what} not found at {}; {how}", path.display());
+    if std::env::var_os("KVREPLAY_REQUIRE_MODEL").is_some() {
+        panic!("{msg}");
+    }
+    eprintln!("NOT RUN: {msg}");
+    None
+}
+
+pub fn model() -> Option<PathBuf> {
+    let p = std::env::var_os("KVREPLAY_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(ROOT).join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    require(
+        "the SmolLM2 model",
+        p,
+        "run scripts/fetch-model.sh (or scripts/test.sh)",
+    )
+}
+
+pub fn python() -> Option<PathBuf> {
+    let p = std::env::var_os("KVREPLAY_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(ROOT).join(".venv-ref/bin/python"));
+    require(
+        "the reference Python environment",
+        p,
+        "run scripts/setup-reference.sh (or scripts/test.sh)",
+    )
+}
+
+pub fn kvreplay(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvreplay"))
+        .args(args)
+        .output()
+        .expect("kvreplay runs")
+}
+
+pub fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
