@@ -40,6 +40,16 @@ enum Cmd {
     Policies,
     /// Apply a compression policy to a trace and measure output error, retention and memory.
     Replay(ReplayArgs),
+    /// Replay every (trace, policy, budget) point into results.csv and summary.csv (resumable, shardable).
+    Sweep(SweepArgs),
+    /// Join the folders of a sharded sweep into what one unsharded run writes.
+    Merge {
+        /// Shard output folders.
+        #[arg(required = true)]
+        shards: Vec<PathBuf>,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Measure the seed papers' trace-checkable claims on a trace, next to what each paper states.
     Claims {
         #[arg(long)]
@@ -80,6 +90,36 @@ enum BenchCmd {
         #[arg(long, default_value_t = 3)]
         reps: usize,
     },
+}
+
+#[derive(Args)]
+struct SweepArgs {
+    /// Traces: trace folders, or folders whose sub-folders are traces.
+    #[arg(long, num_args = 1.., required_unless_present = "file")]
+    traces: Vec<PathBuf>,
+    /// Policy specs (repeatable).
+    #[arg(long = "policy", num_args = 1..)]
+    policies: Vec<String>,
+    /// Budgets, comma-separated (entries per KV head and layer).
+    #[arg(long, value_delimiter = ',')]
+    budget: Vec<usize>,
+    /// A sweep file (TOML: traces = [...], policies = [...], budgets = [...]) instead of the flags.
+    #[arg(long, conflicts_with_all = ["traces", "policies", "budget"])]
+    file: Option<PathBuf>,
+    /// Output folder (rerunning the same command resumes it).
+    #[arg(long)]
+    out: PathBuf,
+    /// Run only shard i of n (0-based): point k belongs to shard k mod n.
+    #[arg(long)]
+    shard: Option<kvreplay_analysis::sweep::Shard>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SweepFile {
+    traces: Vec<PathBuf>,
+    policies: Vec<String>,
+    budgets: Vec<usize>,
 }
 
 #[derive(Args)]
@@ -178,6 +218,22 @@ pub fn run() -> Result<()> {
         Cmd::Verify { trace, positions } => cmd_verify(&trace, positions),
         Cmd::Policies => cmd_policies(),
         Cmd::Claims { trace, json } => cmd_claims(&trace, json.as_deref()),
+        Cmd::Sweep(a) => cmd_sweep(a),
+        Cmd::Merge { shards, out } => {
+            let complete = kvreplay_analysis::sweep::merge(&shards, &out)
+                .with_context(|| format!("merging into {}", out.display()))?;
+            println!(
+                "merged {} shard folders into {}{}",
+                shards.len(),
+                out.display(),
+                if complete {
+                    ""
+                } else {
+                    " (some points are still missing)"
+                }
+            );
+            Ok(())
+        }
         Cmd::Bench(BenchCmd::Replay { trace, model, reps }) => {
             crate::bench::bench_replay(&crate::bench::ReplayBench {
                 trace,
@@ -511,5 +567,71 @@ fn cmd_claims(dir: &Path, json: Option<&Path>) -> Result<()> {
         let text = serde_json::to_string_pretty(&claims).expect("claims serialise");
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
     }
+    Ok(())
+}
+
+/// Expand sweep trace arguments: a trace folder, or a folder of trace folders.
+fn expand_traces(args: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for a in args {
+        if a.join("manifest.json").exists() {
+            out.push(a.clone());
+            continue;
+        }
+        let mut found: Vec<PathBuf> = std::fs::read_dir(a)
+            .with_context(|| format!("reading {}", a.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.join("manifest.json").exists())
+            .collect();
+        if found.is_empty() {
+            bail!(
+                "{}: neither a trace nor a folder of traces (no manifest.json found)",
+                a.display()
+            );
+        }
+        found.sort();
+        out.extend(found);
+    }
+    Ok(out)
+}
+
+fn cmd_sweep(a: SweepArgs) -> Result<()> {
+    let (traces, policies, budgets) = match &a.file {
+        Some(f) => {
+            let text = std::fs::read_to_string(f)
+                .with_context(|| format!("reading sweep file {}", f.display()))?;
+            let sf: SweepFile =
+                toml::from_str(&text).with_context(|| format!("sweep file {}", f.display()))?;
+            (sf.traces, sf.policies, sf.budgets)
+        }
+        None => (a.traces.clone(), a.policies.clone(), a.budget.clone()),
+    };
+    let plan = kvreplay_analysis::sweep::Plan::new(&expand_traces(&traces)?, &policies, &budgets)
+        .context("checking the sweep before any work")?;
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} points ({elapsed}, eta {eta}) {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let r = kvreplay_analysis::sweep::run(&plan, &a.out, a.shard, &mut |done, total, label| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+        bar.set_message(label.to_string());
+    })
+    .with_context(|| format!("sweeping into {}", a.out.display()))?;
+    bar.finish_and_clear();
+    println!(
+        "{} points ({} run now, {} already done){}; wrote {}/results.csv and summary.csv",
+        r.points,
+        r.ran,
+        r.reused,
+        if r.complete {
+            ""
+        } else {
+            ", other shards still missing"
+        },
+        a.out.display()
+    );
     Ok(())
 }

@@ -66,3 +66,39 @@ fn replay_argument_errors_are_clear() {
         assert!(!out.exists(), "{extra:?} wrote output");
     }
 }
+
+#[test]
+fn bad_sweeps_fail_before_any_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let o_s = out.to_str().unwrap();
+    let file = tmp.path().join("sweep.toml");
+    std::fs::write(
+        &file,
+        "traces = [\"x\"]\npolices = [\"h2o\"]\nbudgets = [4]\n",
+    )
+    .unwrap();
+    let o = kvreplay(&["sweep", "--file", file.to_str().unwrap(), "--out", o_s]);
+    assert!(
+        !o.status.success() && text(&o).contains("sweep.toml") && text(&o).contains("polices"),
+        "{}",
+        text(&o)
+    );
+    let o = kvreplay(&[
+        "sweep",
+        "--traces",
+        tmp.path().to_str().unwrap(),
+        "--policy",
+        "h2o",
+        "--budget",
+        "4",
+        "--out",
+        o_s,
+    ]);
+    assert!(
+        !o.status.success() && text(&o).contains("neither a trace nor a folder of traces"),
+        "{}",
+        text(&o)
+    );
+    assert!(!out.exists(), "nothing written");
+}

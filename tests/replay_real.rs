@@ -410,3 +410,42 @@ fn claims_cover_the_five_seed_methods() {
     let k10 = claims.iter().find(|c| c["id"] == "K10").unwrap();
     assert_eq!(k10["verdict"], "agrees", "{k10}");
 }
+
+/// A small sweep on the real trace writes CSVs that pandas reads as documented.
+#[test]
+fn sweep_csvs_load_in_pandas() {
+    let Some(dir) = trace() else { return };
+    let Some(python) = common::python() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("sweep");
+    let o = Command::new(env!("CARGO_BIN_EXE_kvreplay"))
+        .args([
+            "sweep",
+            "--traces",
+            dir.to_str().unwrap(),
+            "--policy",
+            "h2o",
+            "snapkv",
+            "--budget",
+            "32,64",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let script = format!(
+        "import pandas as pd\nr = pd.read_csv({:?})\ns = pd.read_csv({:?})\nassert len(r) == 4 * 30 * 9, len(r)\nassert list(s.columns[:3]) == ['trace', 'policy', 'budget']\nassert len(s) == 4\nassert s.rel_l2_mean.between(0, 10).all()\nprint(s[['policy', 'budget', 'rel_l2_mean', 'memory_ratio']].to_string())\n",
+        out.join("results.csv"),
+        out.join("summary.csv")
+    );
+    let o = Command::new(python).args(["-c", &script]).output().unwrap();
+    assert!(
+        o.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}

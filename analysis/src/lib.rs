@@ -9,3 +9,4 @@
 
 pub mod claims;
 pub mod stats;
+pub mod sweep;
