@@ -188,15 +188,15 @@ fn resumed_and_sharded_sweeps_equal_one_run() {
 fn bad_plans_fail_before_any_work() {
     let tmp = tempfile::tempdir().unwrap();
     let a = write_trace(tmp.path(), "a.kvtrace", 1, 40, 46);
-    let e = Plan::new(&[a.clone()], &["snap".into()], &[4])
+    let e = Plan::new(std::slice::from_ref(&a), &["snap".into()], &[4])
         .unwrap_err()
         .to_string();
     assert!(e.contains("unknown policy `snap`"), "{e}");
-    let e = Plan::new(&[a.clone()], &["h2o:window=3".into()], &[4])
+    let e = Plan::new(std::slice::from_ref(&a), &["h2o:window=3".into()], &[4])
         .unwrap_err()
         .to_string();
     assert!(e.contains("unknown parameter `window`"), "{e}");
-    let e = Plan::new(&[a.clone()], &["h2o".into()], &[0])
+    let e = Plan::new(std::slice::from_ref(&a), &["h2o".into()], &[0])
         .unwrap_err()
         .to_string();
     assert!(e.contains("at least 1"), "{e}");
@@ -207,7 +207,7 @@ fn bad_plans_fail_before_any_work() {
     // A folder holding another sweep is not silently mixed with this one.
     let out = tmp.path().join("out");
     run(
-        &Plan::new(&[a.clone()], &["h2o".into()], &[4]).unwrap(),
+        &Plan::new(std::slice::from_ref(&a), &["h2o".into()], &[4]).unwrap(),
         &out,
         None,
         &mut |_, _, _| {},
