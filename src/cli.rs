@@ -149,6 +149,12 @@ struct CaptureArgs {
     /// Prompt text (tokenized as is: no special tokens are added).
     #[arg(long, group = "prompt_src", required = true)]
     prompt: Option<String>,
+    /// A built-in task: passkey:length=N,depth=D | multifact:length=N,facts=K | file:PATH (spans recorded).
+    #[arg(long, group = "prompt_src")]
+    task: Option<String>,
+    /// Capture a built-in suite of traces into the --out folder (`default`: pass key at 512-4096 tokens, depths 0.25 and 0.75).
+    #[arg(long, group = "prompt_src")]
+    suite: Option<String>,
     /// Read the prompt text from a file.
     #[arg(long, group = "prompt_src")]
     prompt_file: Option<PathBuf>,
@@ -273,9 +279,13 @@ pub fn resolve_model(arg: Option<PathBuf>) -> Result<PathBuf> {
 }
 
 fn cmd_capture(a: CaptureArgs) -> Result<()> {
-    let model_path = resolve_model(a.model)?;
-    let (prompt, source) = match (a.prompt, a.prompt_file) {
+    let model_path = resolve_model(a.model.clone())?;
+    if let Some(suite) = &a.suite {
+        return capture_suite(&a, suite, &model_path);
+    }
+    let (prompt, source) = match (a.prompt.clone(), a.prompt_file.clone()) {
         (Some(p), _) => (p, "text".to_string()),
+        (None, None) if a.task.is_some() => (String::new(), String::new()),
         (None, Some(f)) => {
             let text = std::fs::read_to_string(&f)
                 .with_context(|| format!("reading prompt file {}", f.display()))?;
@@ -300,13 +310,20 @@ fn cmd_capture(a: CaptureArgs) -> Result<()> {
     spinner.finish_and_clear();
     let mut opts = CaptureOptions::new(prompt, &a.out);
     opts.prompt_source = source;
+    if let Some(task) = &a.task {
+        let (ids, spans, source) = kvreplay_capture::tasks::prepare(task, &model, a.chat)?;
+        opts.prompt = source.clone();
+        opts.prompt_ids = Some(ids);
+        opts.spans = spans;
+        opts.prompt_source = source;
+    }
     opts.chat = a.chat;
     opts.n_decode = a.decode;
     opts.dtype = a.dtype;
     opts.prefill_chunk = a.prefill_chunk;
     opts.attn_probs = a.attn_probs;
     opts.force = a.force;
-    opts.spans = a.spans;
+    opts.spans.extend(a.spans.iter().cloned());
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template(
@@ -631,6 +648,53 @@ fn cmd_sweep(a: SweepArgs) -> Result<()> {
         } else {
             ", other shards still missing"
         },
+        a.out.display()
+    );
+    Ok(())
+}
+
+fn capture_suite(a: &CaptureArgs, suite: &str, model_path: &Path) -> Result<()> {
+    if suite != "default" {
+        bail!("unknown suite `{suite}` (known: default)");
+    }
+    let model = Model::load(model_path)
+        .with_context(|| format!("loading model {}", model_path.display()))?;
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let items = kvreplay_capture::tasks::default_suite();
+    let bar = ProgressBar::new(items.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} traces ({elapsed}, eta {eta}) {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let mut made = 0;
+    for (name, task) in &items {
+        let out = a.out.join(name);
+        bar.set_message(name.clone());
+        // a finished trace is kept (rerunning resumes the suite); --force recaptures
+        if out.join("manifest.json").exists() && !a.force {
+            bar.inc(1);
+            continue;
+        }
+        let (ids, spans, source) = kvreplay_capture::tasks::prepare(task, &model, true)?;
+        let mut opts = CaptureOptions::new(source.clone(), &out);
+        opts.prompt_ids = Some(ids);
+        opts.spans = spans;
+        opts.prompt_source = source;
+        opts.chat = true;
+        opts.n_decode = a.decode;
+        opts.dtype = a.dtype;
+        opts.prefill_chunk = a.prefill_chunk;
+        opts.force = a.force;
+        capture(&model, &opts, &mut |_| {})
+            .with_context(|| format!("capturing {}", out.display()))?;
+        made += 1;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    println!(
+        "suite `{suite}`: {} traces in {} ({made} captured now)",
+        items.len(),
         a.out.display()
     );
     Ok(())

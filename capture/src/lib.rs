@@ -10,6 +10,7 @@ mod capture;
 mod error;
 pub mod gguf;
 pub mod llama;
+pub mod tasks;
 pub mod tokenizer;
 
 pub use capture::{capture, CaptureOptions, CaptureSummary, Phase, Progress, MAX_ATTN_PROBS_LEN};

@@ -165,6 +165,18 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Token ids of `text` and each token's byte range in it.
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+    ) -> Result<(Vec<u32>, Vec<(usize, usize)>), CaptureError> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| CaptureError::Tokenizer(e.to_string()))?;
+        Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
+    }
+
     /// The decoded text of one token (control tokens as written).
     pub fn decode_token(&self, id: u32) -> String {
         self.inner

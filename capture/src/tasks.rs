@@ -1,0 +1,258 @@
+//! Built-in prompt tasks, so anyone can make the same traces.
+//!
+//! - `passkey:length=N,depth=D`: a pass key sentence (the `needle` span) at
+//!   relative depth D inside deterministic filler text, then the question
+//!   (the `question` span); about N prompt tokens.
+//! - `multifact:length=N,facts=K`: K codes spread evenly through the filler
+//!   (spans `fact0` ..), the question asks for one of them (that fact is also
+//!   the `needle` span).
+//! - `file:PATH`: plain text from a file.
+//!
+//! Spans are recorded in token positions of the final (templated) prompt.
+
+use std::ops::Range;
+
+use crate::{CaptureError, Model};
+
+/// A task's prompt: the user text and named byte ranges in it.
+#[derive(Clone, Debug)]
+pub struct TaskPrompt {
+    pub text: String,
+    pub spans: Vec<(String, Range<usize>)>,
+    /// Description recorded as the manifest's prompt source.
+    pub source: String,
+}
+
+const FILLER: &[&str] = &[
+    "The grass is green and the sky is blue.",
+    "The sun rises in the east and sets in the west.",
+    "A river runs past the old mill at the edge of the village.",
+    "Children played in the fields until the evening bell.",
+    "The market opens early on the first day of every week.",
+    "Rain fell softly on the roofs of the quiet town.",
+    "The baker sells fresh bread before the shops open.",
+    "Boats drift slowly along the canal in the summer heat.",
+];
+
+/// Deterministic filler of at least `n_tokens` tokens, as whole sentences.
+fn filler(model: &Model, n_tokens: usize) -> Result<Vec<String>, CaptureError> {
+    let mut out = Vec::new();
+    let mut count = 0;
+    let mut i = 0usize;
+    while count < n_tokens {
+        let s = FILLER[(i * 5 + i / FILLER.len()) % FILLER.len()].to_string();
+        count += model.tokenizer.encode(&format!(" {s}"))?.len();
+        out.push(s);
+        i += 1;
+    }
+    Ok(out)
+}
+
+/// Parse `name:key=value,...` task specs and build the prompt.
+pub fn build(spec: &str, model: &Model) -> Result<TaskPrompt, CaptureError> {
+    let (name, rest) = spec.split_once(':').unwrap_or((spec, ""));
+    let bad = |m: String| CaptureError::InvalidOption(format!("--task {spec}: {m}"));
+    if name == "file" {
+        let text = std::fs::read_to_string(rest).map_err(|e| CaptureError::io(rest, e))?;
+        return Ok(TaskPrompt {
+            text,
+            spans: vec![],
+            source: format!("task:file:{rest}"),
+        });
+    }
+    let mut length = 1024usize;
+    let mut depth = 0.5f64;
+    let mut facts = 4usize;
+    for kv in rest.split(',').filter(|s| !s.is_empty()) {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| bad(format!("`{kv}` is not key=value")))?;
+        match (name, k) {
+            (_, "length") => {
+                length = v
+                    .parse()
+                    .map_err(|_| bad(format!("length `{v}` is not a number of tokens")))?
+            }
+            ("passkey", "depth") => {
+                depth = v
+                    .parse()
+                    .ok()
+                    .filter(|d: &f64| (0.0..=1.0).contains(d))
+                    .ok_or_else(|| bad(format!("depth `{v}` must lie in [0, 1]")))?
+            }
+            ("multifact", "facts") => {
+                facts = v
+                    .parse()
+                    .ok()
+                    .filter(|f| *f >= 1)
+                    .ok_or_else(|| bad(format!("facts `{v}` must be a positive number")))?
+            }
+            _ => {
+                return Err(bad(format!(
+                    "unknown parameter `{k}` (passkey: length, depth; multifact: length, facts)"
+                )))
+            }
+        }
+    }
+    match name {
+        "passkey" => passkey(model, length, depth).map(|mut t| {
+            t.source = format!("task:passkey:length={length},depth={depth}");
+            t
+        }),
+        "multifact" => multifact(model, length, facts).map(|mut t| {
+            t.source = format!("task:multifact:length={length},facts={facts}");
+            t
+        }),
+        other => Err(bad(format!(
+            "unknown task `{other}` (known: passkey, multifact, file:PATH)"
+        ))),
+    }
+}
+
+/// Join sentences, inserting `inserts` (text, span name) before sentence index i.
+fn assemble(
+    head: &str,
+    body: &[String],
+    inserts: &[(usize, String, String)],
+    tail: &str,
+    tail_name: &str,
+) -> TaskPrompt {
+    let mut text = String::from(head);
+    let mut spans = Vec::new();
+    for (i, s) in body.iter().enumerate() {
+        for (at, ins, name) in inserts.iter().filter(|x| x.0 == i) {
+            let _ = at;
+            text.push(' ');
+            let start = text.len();
+            text.push_str(ins);
+            spans.push((name.clone(), start..text.len()));
+        }
+        text.push(' ');
+        text.push_str(s);
+    }
+    text.push(' ');
+    let start = text.len();
+    text.push_str(tail);
+    spans.push((tail_name.to_string(), start..text.len()));
+    TaskPrompt {
+        text,
+        spans,
+        source: String::new(),
+    }
+}
+
+fn passkey(model: &Model, length: usize, depth: f64) -> Result<TaskPrompt, CaptureError> {
+    let head = "There is a pass key hidden in the text below. Find it and remember it.";
+    let needle = "The pass key is 68142. Remember it: 68142 is the pass key.";
+    let question = "What is the pass key?";
+    let fixed = model
+        .tokenizer
+        .encode(&format!("{head} {needle} {question}"))?
+        .len();
+    let body = filler(model, length.saturating_sub(fixed + 2))?;
+    let at = ((body.len() as f64) * depth).round() as usize;
+    Ok(assemble(
+        head,
+        &body,
+        &[(at, needle.into(), "needle".into())],
+        question,
+        "question",
+    ))
+}
+
+fn multifact(model: &Model, length: usize, facts: usize) -> Result<TaskPrompt, CaptureError> {
+    const DOORS: &[&str] = &[
+        "red", "blue", "green", "yellow", "black", "white", "silver", "golden",
+    ];
+    let head = "Several doors have secret codes, given in the text below. Remember every code.";
+    let fact = |i: usize| {
+        format!(
+            "The secret code of the {} door is {}.",
+            DOORS[i % DOORS.len()],
+            4821 + 1117 * i
+        )
+    };
+    let ask = facts / 2;
+    let question = format!(
+        "What is the secret code of the {} door?",
+        DOORS[ask % DOORS.len()]
+    );
+    let fixed: usize = model.tokenizer.encode(&format!("{head} {question}"))?.len()
+        + (0..facts)
+            .map(|i| model.tokenizer.encode(&fact(i)).map(|v| v.len()))
+            .sum::<Result<usize, _>>()?;
+    let body = filler(model, length.saturating_sub(fixed + 2))?;
+    let inserts: Vec<(usize, String, String)> = (0..facts)
+        .map(|i| {
+            (
+                (i + 1) * body.len() / (facts + 1),
+                fact(i),
+                format!("fact{i}"),
+            )
+        })
+        .collect();
+    let mut t = assemble(head, &body, &inserts, &question, "question");
+    let needle = t
+        .spans
+        .iter()
+        .find(|s| s.0 == format!("fact{ask}"))
+        .map(|s| s.1.clone())
+        .expect("asked fact exists");
+    t.spans.push(("needle".into(), needle));
+    Ok(t)
+}
+
+/// Token positions `[start, end)` covering byte range `r` of the encoded text.
+pub fn token_span(offsets: &[(usize, usize)], r: &Range<usize>) -> Option<Range<usize>> {
+    let start = offsets.iter().position(|o| o.1 > r.start)?;
+    let end = offsets.iter().rposition(|o| o.0 < r.end)? + 1;
+    (start < end).then_some(start..end)
+}
+
+/// Token ids, token-position spans and source of a task prompt, after the
+/// chat template when `chat`.
+pub fn prepare(
+    spec: &str,
+    model: &Model,
+    chat: bool,
+) -> Result<(Vec<u32>, Vec<kvreplay_traces::Span>, String), CaptureError> {
+    let t = build(spec, model)?;
+    let (rendered, base) = if chat {
+        let r = model.tokenizer.apply_chat_template(&t.text)?;
+        let base = r.find(&t.text).ok_or_else(|| {
+            CaptureError::InvalidOption(format!(
+                "--task {spec}: the chat template changed the prompt text; capture without --chat"
+            ))
+        })?;
+        (r, base)
+    } else {
+        (t.text.clone(), 0)
+    };
+    let (ids, offsets) = model.tokenizer.encode_with_offsets(&rendered)?;
+    let spans = t
+        .spans
+        .iter()
+        .filter_map(|(name, r)| {
+            token_span(&offsets, &(r.start + base..r.end + base)).map(|s| kvreplay_traces::Span {
+                name: name.clone(),
+                start: s.start,
+                end: s.end,
+            })
+        })
+        .collect();
+    Ok((ids, spans, t.source))
+}
+
+/// The default suite: pass key retrieval at four lengths and two depths.
+pub fn default_suite() -> Vec<(String, String)> {
+    let mut v = Vec::new();
+    for length in [512, 1024, 2048, 4096] {
+        for depth in [0.25, 0.75] {
+            v.push((
+                format!("passkey-{length}-d{}.kvtrace", (depth * 100.0) as usize),
+                format!("passkey:length={length},depth={depth}"),
+            ));
+        }
+    }
+    v
+}
