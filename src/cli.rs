@@ -638,6 +638,9 @@ fn cmd_sweep(a: SweepArgs) -> Result<()> {
     })
     .with_context(|| format!("sweeping into {}", a.out.display()))?;
     bar.finish_and_clear();
+    if r.complete {
+        kvreplay_analysis::report::write(&a.out, &plan).context("writing the report")?;
+    }
     println!(
         "{} points ({} run now, {} already done){}; wrote {}/results.csv and summary.csv",
         r.points,

@@ -8,5 +8,6 @@
 //! Invariant: analysis never loads a model; it reads traces and runs replays.
 
 pub mod claims;
+pub mod report;
 pub mod stats;
 pub mod sweep;

@@ -167,10 +167,16 @@ pub struct SummaryRow {
     pub policy_spec: String,
 }
 
+/// Bins of relative prompt position in a point's retention profile.
+pub const RETENTION_BINS: usize = 10;
+
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
-struct PointResult {
-    rows: Vec<ResultRow>,
-    summary: SummaryRow,
+pub struct PointResult {
+    pub rows: Vec<ResultRow>,
+    pub summary: SummaryRow,
+    /// Share of the prompt positions of each tenth of the prompt still
+    /// represented at the end, over layers and cache heads.
+    pub retention: Vec<f64>,
 }
 
 /// Which points this run does: point k belongs to shard k mod count.
@@ -278,7 +284,35 @@ fn run_point(plan: &Plan, p: &Point) -> Result<PointResult, SweepError> {
         needle_retention: needle,
         policy_spec: plan.policies[p.policy].clone(),
     };
-    Ok(PointResult { rows, summary })
+    let p_len = trace.manifest.prompt_len();
+    let heads: usize = r
+        .layers
+        .iter()
+        .map(|l| l.retained.iter().map(|x| x.head).max().map_or(0, |m| m + 1))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let mut bins = vec![0f64; RETENTION_BINS];
+    let mut sizes = vec![0f64; RETENTION_BINS];
+    let bin = |pos: usize| (pos * RETENTION_BINS / p_len).min(RETENTION_BINS - 1);
+    for pos in 0..p_len {
+        sizes[bin(pos)] += 1.0;
+    }
+    for l in &r.layers {
+        for x in &l.retained {
+            bins[bin(x.position)] += 1.0;
+        }
+    }
+    let retention = bins
+        .iter()
+        .zip(&sizes)
+        .map(|(k, n)| k / (n * (heads * r.layers.len()) as f64).max(1.0))
+        .collect();
+    Ok(PointResult {
+        rows,
+        summary,
+        retention,
+    })
 }
 
 /// What a run did.
@@ -334,6 +368,25 @@ pub fn run(
         reused,
         complete,
     })
+}
+
+/// The finished points of a sweep folder, in plan order.
+pub fn load_points(out: &Path, plan: &Plan) -> Result<Vec<PointResult>, SweepError> {
+    let mut v = Vec::new();
+    for p in plan.points() {
+        let path = out
+            .join("points")
+            .join(format!("{}.json", plan.point_id(&p)));
+        if let Ok(bytes) = std::fs::read(&path) {
+            v.push(serde_json::from_slice(&bytes).map_err(|e| {
+                SweepError::Plan(format!(
+                    "{}: unreadable point result ({e}); delete it and rerun the sweep",
+                    path.display()
+                ))
+            })?);
+        }
+    }
+    Ok(v)
 }
 
 /// Write results.csv and summary.csv from the finished points, in plan order.

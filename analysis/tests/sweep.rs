@@ -182,6 +182,38 @@ fn resumed_and_sharded_sweeps_equal_one_run() {
     let merged = tmp.path().join("merged");
     assert!(merge(&shards, &merged).unwrap());
     assert_eq!(files(&merged), full);
+
+    // The plots and the report are the same however the sweep was split.
+    kvreplay_analysis::report::write(&one, &plan).unwrap();
+    kvreplay_analysis::report::write(&merged, &plan).unwrap();
+    for f in [
+        "error_vs_budget.svg",
+        "error_vs_memory.svg",
+        "retention_by_position.svg",
+        "layer_error_heatmap.svg",
+        "needle_retention.svg",
+        "report.html",
+    ] {
+        let (x, y) = (
+            std::fs::read(one.join(f)).unwrap(),
+            std::fs::read(merged.join(f)).unwrap(),
+        );
+        assert_eq!(x, y, "{f}");
+        assert!(!x.is_empty());
+    }
+    let html = std::fs::read_to_string(one.join("report.html")).unwrap();
+    assert!(
+        html.contains("<svg")
+            && html.contains("Provenance")
+            && html.contains("<td>snapkv</td><td>8</td>"),
+        "report content"
+    );
+    assert!(
+        std::fs::read_to_string(one.join("error_vs_budget.svg"))
+            .unwrap()
+            .contains("h2o"),
+        "legend names the policies"
+    );
 }
 
 #[test]
