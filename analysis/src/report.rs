@@ -108,6 +108,8 @@ fn error_vs_budget(a: &Agg, path: &Path) -> PlotResult {
         .build_cartesian_2d((b0 * 0.9..b1 * 1.1).log_scale(), 0f64..ymax)?;
     chart
         .configure_mesh()
+        .light_line_style(WHITE)
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .x_desc("budget (entries per KV head and layer)")
         .y_desc("relative L2 error of attention output")
         .draw()?;
@@ -170,6 +172,7 @@ fn error_vs_memory(a: &Agg, path: &Path) -> PlotResult {
         .build_cartesian_2d(0f64..xmax, 0f64..ymax)?;
     chart
         .configure_mesh()
+        .light_line_style(WHITE)
         .x_desc("memory, share of the full f16 cache")
         .y_desc("relative L2 error")
         .draw()?;
@@ -227,6 +230,7 @@ fn retention_by_position(a: &Agg, path: &Path) -> PlotResult {
         .build_cartesian_2d(0f64..1f64, 0f64..1.05f64)?;
     chart
         .configure_mesh()
+        .light_line_style(WHITE)
         .x_desc("relative position in the prompt")
         .y_desc("share retained")
         .draw()?;
@@ -299,14 +303,17 @@ fn layer_heatmap(a: &Agg, path: &Path) -> PlotResult {
         .margin(12)
         .x_label_area_size(36)
         .y_label_area_size(160)
-        .build_cartesian_2d(0..n_layers, 0..np)?;
+        .build_cartesian_2d(0..n_layers, (0..np).into_segmented())?;
     let labels: Vec<String> = (0..np).map(|i| a.label(i)).collect();
     chart
         .configure_mesh()
         .disable_mesh()
         .x_desc("layer")
         .y_labels(np)
-        .y_label_formatter(&|i| labels.get(*i).cloned().unwrap_or_default())
+        .y_label_formatter(&|v| match v {
+            SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
+            _ => String::new(),
+        })
         .draw()?;
     chart.draw_series(grid.iter().enumerate().flat_map(|(i, row)| {
         row.iter().enumerate().map(move |(l, v)| {
@@ -320,7 +327,13 @@ fn layer_heatmap(a: &Agg, path: &Path) -> PlotResult {
                 (255.0 * (1.0 - t)) as u8,
                 (255.0 * (1.0 - t)) as u8,
             );
-            Rectangle::new([(l, i), (l + 1, i + 1)], c.filled())
+            Rectangle::new(
+                [
+                    (l, SegmentValue::Exact(i)),
+                    (l + 1, SegmentValue::Exact(i + 1)),
+                ],
+                c.filled(),
+            )
         })
     }))?;
     root.present()?;
@@ -345,6 +358,8 @@ fn needle_retention(a: &Agg, path: &Path) -> PlotResult {
         .build_cartesian_2d((b0 * 0.9..b1 * 1.1).log_scale(), 0f64..1.05f64)?;
     chart
         .configure_mesh()
+        .light_line_style(WHITE)
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .x_desc("budget")
         .y_desc("needle retention")
         .draw()?;
