@@ -164,6 +164,13 @@ fn load_layer_with(trace: &Trace, l: usize, all_colsum: Arc<Vec<Vec<f32>>>) -> L
         colsum: all_colsum[l].clone(),
         all_colsum: Some(all_colsum),
         rope: Some(rope_params(&m.model.rope)),
+        trace_id: Some(
+            m.files
+                .iter()
+                .map(|f| &f.sha256[..16.min(f.sha256.len())])
+                .collect::<String>()
+                .into(),
+        ),
     }
 }
 
@@ -227,6 +234,26 @@ fn step_metrics(
     (rel_l2, cosine, attn_mass, kl)
 }
 
+/// Per decode step, per query head: the full-cache output, weights and their sum.
+type Reference = Vec<Vec<(Vec<f64>, Vec<f64>, f64)>>;
+
+/// Attention of every decode query of `data` over the full cache of its KV head.
+fn full_reference(data: &LayerData) -> Reference {
+    let ctx = PrefillCtx::new(data, 1);
+    let mut full = ctx.full_caches();
+    let group = data.group();
+    (data.prompt_len..data.total_len)
+        .map(|pos| {
+            for (g, f) in full.iter_mut().enumerate() {
+                f.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
+            }
+            (0..data.n_heads)
+                .map(|h| attend(data.q_row(h, pos), &full[h / group], data.scale))
+                .collect()
+        })
+        .collect()
+}
+
 /// Replay `policy` on layer `data` with budget `b`.
 pub fn replay_layer(
     data: &LayerData,
@@ -276,7 +303,15 @@ pub fn replay_group(
             h / datas[i].group()
         }
     };
-    let mut full: Vec<Vec<HeadCache>> = ctxs.iter().map(|c| c.full_caches()).collect();
+    // The full-cache reference of every decode step: independent of the policy
+    // and the budget, so computed once per trace and layer in a sweep.
+    let reference: Vec<Arc<Reference>> = datas
+        .iter()
+        .map(|d| match &d.trace_id {
+            Some(id) => crate::memo::get_or(id, d.layer, "full_reference", || full_reference(d)),
+            None => Arc::new(full_reference(d)),
+        })
+        .collect();
     let mut sums: Vec<Vec<[f64; 4]>> = datas.iter().map(|d| vec![[0f64; 4]; d.n_heads]).collect();
     let mut probs: Vec<Vec<Vec<f32>>> = datas.iter().map(|d| vec![Vec::new(); d.n_heads]).collect();
     for pos in p..t {
@@ -286,15 +321,12 @@ pub fn replay_group(
                 let g = if per_query[i] { c / group } else { c };
                 cache.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
             }
-            for (g, f) in full[i].iter_mut().enumerate() {
-                f.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
-            }
             for h in 0..data.n_heads {
-                let (g, c) = (h / group, cache_of(i, h));
+                let c = cache_of(i, h);
                 let q = data.q_row(h, pos);
                 let (o_c, c_w, c_z) = attend(q, &caches[i][c], data.scale);
-                let (o_f, f_w, f_z) = attend(q, &full[i][g], data.scale);
-                let m = step_metrics(&o_c, &o_f, &caches[i][c], &c_w, c_z, &f_w, f_z);
+                let (o_f, f_w, f_z) = &reference[i][pos - p][h];
+                let m = step_metrics(&o_c, o_f, &caches[i][c], &c_w, c_z, f_w, *f_z);
                 for (s, x) in sums[i][h].iter_mut().zip([m.0, m.1, m.2, m.3]) {
                     *s += x;
                 }

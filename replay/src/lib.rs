@@ -10,6 +10,7 @@
 pub mod cache;
 pub mod engine;
 mod error;
+pub mod memo;
 pub mod output;
 pub mod policies;
 pub mod policy;

@@ -38,6 +38,9 @@ pub struct LayerData {
     /// The model's rotary embedding (to undo or redo the rotation of stored
     /// keys); None when unknown.
     pub rope: Option<kvreplay_kernels::cpu::RopeParams>,
+    /// Identity of the trace (its layer files' checksums), under which
+    /// budget-independent results are reused; None: never reused.
+    pub trace_id: Option<std::sync::Arc<str>>,
 }
 
 impl LayerData {
@@ -116,6 +119,19 @@ impl<'a> PrefillCtx<'a> {
     /// The model's rotary embedding, when the trace records it.
     pub fn rope(&self) -> Option<kvreplay_kernels::cpu::RopeParams> {
         self.data.rope
+    }
+    /// `f()`, computed once per trace, layer and `key` and reused by every
+    /// budget and policy: for results that do not depend on the budget. The
+    /// key must name everything the value depends on besides the layer.
+    pub fn memo<T: std::any::Any + Send + Sync>(
+        &self,
+        key: &str,
+        f: impl FnOnce() -> T,
+    ) -> std::sync::Arc<T> {
+        match &self.data.trace_id {
+            Some(id) => crate::memo::get_or(id, self.data.layer, key, f),
+            None => std::sync::Arc::new(f()),
+        }
     }
     /// Query of prompt position `i < P` of query head `h`.
     pub fn query(&self, h: usize, i: usize) -> &[f32] {

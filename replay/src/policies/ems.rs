@@ -484,17 +484,20 @@ impl Policy for Ems {
         };
         // Scores per query head: column sums and last-window column sums.
         let lw = l_win.min(n);
-        let per_head: Vec<Scores> = (0..ctx.n_heads())
-            .map(|h| {
-                let glo: Vec<f64> = ctx.colsum(h).iter().map(|x| *x as f64).collect();
-                let rows = ctx.attn_rows(h, n - lw..n);
-                let mut loc = vec![0f64; n];
-                for row in rows.chunks_exact(n) {
-                    loc.iter_mut().zip(row).for_each(|(a, x)| *a += *x as f64);
-                }
-                (glo, loc)
-            })
-            .collect();
+        // Budget-independent for a given window: computed once per trace and layer.
+        let per_head = ctx.memo(&format!("ems_scores:lw={lw}"), || {
+            (0..ctx.n_heads())
+                .map(|h| {
+                    let glo: Vec<f64> = ctx.colsum(h).iter().map(|x| *x as f64).collect();
+                    let rows = ctx.attn_rows(h, n - lw..n);
+                    let mut loc = vec![0f64; n];
+                    for row in rows.chunks_exact(n) {
+                        loc.iter_mut().zip(row).for_each(|(a, x)| *a += *x as f64);
+                    }
+                    (glo, loc)
+                })
+                .collect::<Vec<Scores>>()
+        });
         // Each cache scores with the mean of its query heads' scores (one head per
         // cache with per_query_head, the group's mean with per_kv_head).
         let mean_of = |heads: std::ops::Range<usize>, pick: fn(&Scores) -> &Vec<f64>| -> Vec<f64> {

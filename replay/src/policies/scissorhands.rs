@@ -96,21 +96,29 @@ impl Policy for Scissorhands {
         let mut caches = Vec::new();
         let mut all_masks = Vec::new();
         for g in 0..ctx.n_kv_heads() {
-            // masks[i][h'] over the last w prompt rows
-            let mut masks = vec![vec![0u128; gs]; p];
-            for hh in 0..gs {
-                let rows = ctx.attn_rows(g * gs + hh, p - w..p);
-                for (r, row) in rows.chunks_exact(p).enumerate() {
-                    let j = p - w + r;
-                    let theta = self.threshold(&row[..=j], p);
-                    let bit = 1u128 << (p - 1 - j);
-                    for (i, a) in row[..=j].iter().enumerate() {
-                        if *a > theta {
-                            masks[i][hh] |= bit;
+            // masks[i][h'] over the last w prompt rows: budget-independent, so
+            // computed once per trace and layer in a sweep
+            let key = format!(
+                "scissorhands_masks:w={w},uniform={},lambda={},masked={},g={g}",
+                self.uniform, self.lambda, self.include_masked
+            );
+            let masks = ctx.memo(&key, || {
+                let mut masks = vec![vec![0u128; gs]; p];
+                for hh in 0..gs {
+                    let rows = ctx.attn_rows(g * gs + hh, p - w..p);
+                    for (r, row) in rows.chunks_exact(p).enumerate() {
+                        let j = p - w + r;
+                        let theta = self.threshold(&row[..=j], p);
+                        let bit = 1u128 << (p - 1 - j);
+                        for (i, a) in row[..=j].iter().enumerate() {
+                            if *a > theta {
+                                masks[i][hh] |= bit;
+                            }
                         }
                     }
                 }
-            }
+                masks
+            });
             let keep = if p <= b {
                 (0..p).collect()
             } else {

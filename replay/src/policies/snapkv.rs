@@ -84,6 +84,17 @@ impl Window {
     /// window, 0..P−w: the per-query-head sums over the window rows, group
     /// mean, then pooling. `mean` divides the sums by w (AdaKV's form).
     pub fn scores(&self, ctx: &PrefillCtx, g: usize, mean: bool) -> Vec<f32> {
+        // Budget-independent: computed once per trace and layer in a sweep.
+        let key = format!(
+            "window_scores:w={},k={},pool={:?},mean={mean},g={g}",
+            self.w, self.k, self.pool
+        );
+        ctx.memo(&key, || self.compute_scores(ctx, g, mean))
+            .as_ref()
+            .clone()
+    }
+
+    fn compute_scores(&self, ctx: &PrefillCtx, g: usize, mean: bool) -> Vec<f32> {
         let p = ctx.prompt_len();
         let w = self.w.min(p);
         let gs = ctx.group();

@@ -53,9 +53,11 @@ impl Policy for Tova {
         if p <= b {
             return Ok((ctx.full_caches(), state));
         }
-        let last: Vec<Vec<f32>> = (0..ctx.n_heads())
-            .map(|h| ctx.attn_rows(h, p - 1..p))
-            .collect();
+        let last = ctx.memo("last_prompt_rows", || {
+            (0..ctx.n_heads())
+                .map(|h| ctx.attn_rows(h, p - 1..p))
+                .collect::<Vec<Vec<f32>>>()
+        });
         let all: Vec<usize> = (0..p).collect();
         let layer_keep = top_k(
             &mean_rows(last.iter().map(|r| r.as_slice())),

@@ -1,0 +1,53 @@
+//! Budget-independent results, computed once per (trace, layer) and reused by
+//! every budget and policy that asks for them: window votes, attention rows,
+//! the full-cache reference of the metrics. Only the most recent trace is
+//! kept, since sweeps run trace by trace. Values come from deterministic
+//! functions of the trace, so reusing them changes no result.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+type Entry = Arc<dyn Any + Send + Sync>;
+
+struct Memo {
+    trace: String,
+    map: HashMap<(usize, String), Entry>,
+}
+
+fn memo() -> &'static Mutex<Memo> {
+    static MEMO: OnceLock<Mutex<Memo>> = OnceLock::new();
+    MEMO.get_or_init(|| {
+        Mutex::new(Memo {
+            trace: String::new(),
+            map: HashMap::new(),
+        })
+    })
+}
+
+/// The value of `key` for `layer` of trace `trace`, computed by `f` on first use.
+pub fn get_or<T: Any + Send + Sync>(
+    trace: &str,
+    layer: usize,
+    key: &str,
+    f: impl FnOnce() -> T,
+) -> Arc<T> {
+    {
+        let m = memo().lock().expect("memo lock");
+        if m.trace == trace {
+            if let Some(v) = m.map.get(&(layer, key.to_string())) {
+                if let Ok(v) = v.clone().downcast::<T>() {
+                    return v;
+                }
+            }
+        }
+    }
+    let v = Arc::new(f());
+    let mut m = memo().lock().expect("memo lock");
+    if m.trace != trace {
+        m.trace = trace.to_string();
+        m.map.clear();
+    }
+    m.map.insert((layer, key.to_string()), v.clone());
+    v
+}
