@@ -245,6 +245,14 @@ fn run_point(plan: &Plan, p: &Point) -> Result<PointResult, SweepError> {
     let mut errs: Vec<f64> = rows.iter().map(|x| x.rel_l2).collect();
     errs.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
     let p95 = errs[((0.95 * errs.len() as f64).ceil() as usize).clamp(1, errs.len()) - 1];
+    // cache heads per layer: KV heads, or query heads for per-query-head policies
+    let heads: usize = r
+        .layers
+        .iter()
+        .map(|l| l.retained.iter().map(|x| x.head).max().map_or(0, |m| m + 1))
+        .max()
+        .unwrap_or(1)
+        .max(1);
     let needle = trace
         .manifest
         .spans
@@ -252,12 +260,6 @@ fn run_point(plan: &Plan, p: &Point) -> Result<PointResult, SweepError> {
         .find(|s| s.name == "needle")
         .filter(|s| s.end > s.start)
         .map(|s| {
-            let heads: usize = r
-                .layers
-                .iter()
-                .map(|l| l.retained.iter().map(|x| x.head).max().map_or(0, |m| m + 1))
-                .max()
-                .unwrap_or(1);
             let kept = r
                 .layers
                 .iter()
@@ -285,15 +287,9 @@ fn run_point(plan: &Plan, p: &Point) -> Result<PointResult, SweepError> {
         policy_spec: plan.policies[p.policy].clone(),
     };
     let p_len = trace.manifest.prompt_len();
-    let heads: usize = r
-        .layers
-        .iter()
-        .map(|l| l.retained.iter().map(|x| x.head).max().map_or(0, |m| m + 1))
-        .max()
-        .unwrap_or(1)
-        .max(1);
-    let mut bins = vec![0f64; RETENTION_BINS];
-    let mut sizes = vec![0f64; RETENTION_BINS];
+
+    let mut bins = [0f64; RETENTION_BINS];
+    let mut sizes = [0f64; RETENTION_BINS];
     let bin = |pos: usize| (pos * RETENTION_BINS / p_len).min(RETENTION_BINS - 1);
     for pos in 0..p_len {
         sizes[bin(pos)] += 1.0;

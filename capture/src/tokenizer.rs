@@ -22,6 +22,9 @@ const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 /// Pre-tokenizer names (`tokenizer.ggml.pre`) this build supports.
 pub const SUPPORTED_PRE: &[&str] = &["smollm", "gpt2", "default", "llama-bpe", "llama3", "qwen2"];
 
+/// Token ids and each token's byte range in the encoded text.
+pub type Encoded = (Vec<u32>, Vec<(usize, usize)>);
+
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     pub bos: Option<u32>,
@@ -166,10 +169,7 @@ impl Tokenizer {
     }
 
     /// Token ids of `text` and each token's byte range in it.
-    pub fn encode_with_offsets(
-        &self,
-        text: &str,
-    ) -> Result<(Vec<u32>, Vec<(usize, usize)>), CaptureError> {
+    pub fn encode_with_offsets(&self, text: &str) -> Result<Encoded, CaptureError> {
         let enc = self
             .inner
             .encode(text, false)
