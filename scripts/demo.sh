@@ -1,30 +1,26 @@
 #!/usr/bin/env bash
-# The demo: fetch the default model if needed, capture a trace of it on a
-# built-in passkey prompt, inspect and verify the trace, then replay every
-# compression policy on it at one budget and print the errors and memory.
+# The demo: fetch the default model if needed, capture the default task suite
+# (pass key retrieval at 512, 1024, 2048 and 4096 tokens), sweep every
+# baseline and seed method over budgets 32 to 1024, and write the CSVs, plots
+# and report into results/. Rerunning resumes whatever is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh
 cargo build --release --quiet
 kv=target/release/kvreplay
-out=results/demo.kvtrace
 mkdir -p results
-filler="The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-prompt="There is an important passkey hidden in this text. Remember it. $(printf '%.0s'"$filler" {1..6})The passkey is 68142. Remember it: 68142 is the passkey. $(printf '%.0s'"$filler" {1..6})What is the passkey?"
-"$kv" capture --prompt "$prompt" --chat --decode 32 --out "$out" --force
-"$kv" inspect "$out"
-"$kv" verify "$out"
+echo "== capturing the default suite into results/suite (about 1-2 minutes)"
+"$kv" capture --suite default --decode 16 --out results/suite
+"$kv" verify results/suite/passkey-0512-d10.kvtrace
+echo "== sweeping every policy over budgets 32..1024 into results/sweep (about 5 minutes)"
+policies=$("$kv" policies | grep -E '^[a-z_0-9]+' -o | tr '\n' ' ')
+# shellcheck disable=SC2086
+"$kv" sweep --traces results/suite --policy $policies --budget 32,64,128,256,512,1024 --out results/sweep
 echo
-budget=64
-echo "every policy at budget $budget (prompt entries per KV head and layer):"
-printf '%-14s %8s %8s %10s %8s %10s\n' policy rel_l2 cosine attn_mass kl memory
-for policy in $("$kv" policies | grep -E '^[a-z_0-9]+' -o); do
-    line=$("$kv" replay --trace "$out" --policy "$policy" --budget "$budget" --out "results/demo-replay/$policy" | grep -E '^ +all')
-    # "   all  rel_l2  cosine  attn_mass  kl  bytes  (NN.N% of the full f16 cache)"
-    read -r _ rel cos mass kl _ pct _ <<<"$line"
-    printf '%-14s %8s %8s %10s %8s %10s\n' "$policy" "$rel" "$cos" "$mass" "$kl" "${pct#(}"
-done
+echo "mean relative L2 error over the suite at budget 128 (lower is better):"
+awk -F, 'NR > 1 && $3 == 128 { s[$2] += $4; n[$2]++ } END { for (p in s) printf "  %-14s %.4f\n", p, s[p] / n[p] }' results/sweep/summary.csv | sort -k2 -n
 echo
-echo "trace: $out (open it from Python with safetensors: see traces/FORMAT.md)"
-echo "per-policy CSVs: results/demo-replay/POLICY/{metrics.csv, retention.csv, summary.json}"
-echo "next: target/release/kvreplay claims --trace $out   (the seed papers' claims, ~1 minute)"
+echo "report:  results/sweep/report.html (open it in a browser)"
+echo "tables:  results/sweep/summary.csv, results/sweep/results.csv"
+echo "plots:   results/sweep/*.svg"
+echo "next:    $kv claims --trace results/suite/passkey-1024-d40.kvtrace   (the seed papers' claims)"

@@ -152,7 +152,7 @@ struct CaptureArgs {
     /// A built-in task: passkey:length=N,depth=D | multifact:length=N,facts=K | file:PATH (spans recorded).
     #[arg(long, group = "prompt_src")]
     task: Option<String>,
-    /// Capture a built-in suite of traces into the --out folder (`default`: pass key at 512-4096 tokens, depths 0.25 and 0.75).
+    /// Capture a built-in suite of traces into the --out folder (`default`: pass key at 512, 1024, 2048 and 4096 tokens, needle depths 0.1-0.9).
     #[arg(long, group = "prompt_src")]
     suite: Option<String>,
     /// Read the prompt text from a file.

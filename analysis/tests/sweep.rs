@@ -7,6 +7,17 @@ use std::path::{Path, PathBuf};
 
 /// A random 2-layer trace (4 query heads, 2 KV heads, d = 8) with a needle span.
 fn write_trace(dir: &Path, name: &str, seed: u64, p: usize, t: usize) -> PathBuf {
+    write_trace_scaled(dir, name, seed, p, t, 1.0)
+}
+
+fn write_trace_scaled(
+    dir: &Path,
+    name: &str,
+    seed: u64,
+    p: usize,
+    t: usize,
+    key_scale: f32,
+) -> PathBuf {
     let layout = TraceLayout {
         n_layers: 2,
         n_heads: 4,
@@ -40,7 +51,7 @@ fn write_trace(dir: &Path, name: &str, seed: u64, p: usize, t: usize) -> PathBuf
             );
         }
         for g in 0..2 {
-            let k: Vec<f32> = (0..t * 8).map(|_| rnd()).collect();
+            let k: Vec<f32> = (0..t * 8).map(|_| key_scale * rnd()).collect();
             let v: Vec<f32> = (0..t * 8).map(|_| rnd()).collect();
             lw.write_rows(TensorKind::K, g, 0, &k);
             lw.write_rows(TensorKind::V, g, 0, &v);
@@ -256,4 +267,35 @@ fn bad_plans_fail_before_any_work() {
     assert!(e.contains("holds a different sweep"), "{e}");
     let e = "3/3".parse::<Shard>().unwrap_err();
     assert!(e.contains("i/n"), "{e}");
+}
+
+/// Regression: merged keys can put an entry's logit hundreds below the
+/// maximum; its weight must not underflow to a zero probability (an infinite
+/// KL, written as null, made the sweep's point file unreadable).
+#[test]
+fn extreme_logits_keep_every_metric_finite() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = write_trace_scaled(tmp.path(), "big.kvtrace", 3, 40, 46, 60.0);
+    let plan = Plan::new(
+        &[t],
+        &[
+            "minicache:start=0".into(),
+            "kvmerger".into(),
+            "d2o".into(),
+            "ems:merge_space=post_rope".into(),
+        ],
+        &[8, 16],
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    assert!(run(&plan, &out, None, &mut |_, _, _| {}).unwrap().complete);
+    let results = std::fs::read_to_string(out.join("results.csv")).unwrap();
+    for line in results.lines().skip(1) {
+        for field in line.split(',').skip(5) {
+            let x: f64 = field
+                .parse()
+                .unwrap_or_else(|_| panic!("not a number in {line}"));
+            assert!(x.is_finite(), "{line}");
+        }
+    }
 }

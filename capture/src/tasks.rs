@@ -243,16 +243,19 @@ pub fn prepare(
     Ok((ids, spans, t.source))
 }
 
-/// The default suite: pass key retrieval at four lengths and two depths.
+/// The default suite: pass key retrieval at four lengths from 512 to 4,096
+/// tokens, each with its needle at a different depth (0.1, 0.4, 0.6, 0.9).
 pub fn default_suite() -> Vec<(String, String)> {
-    let mut v = Vec::new();
-    for length in [512, 1024, 2048, 4096] {
-        for depth in [0.25, 0.75] {
-            v.push((
-                format!("passkey-{length}-d{}.kvtrace", (depth * 100.0) as usize),
+    [(512, 0.1), (1024, 0.4), (2048, 0.6), (4096, 0.9)]
+        .iter()
+        .map(|&(length, depth)| {
+            (
+                format!(
+                    "passkey-{length:04}-d{:02}.kvtrace",
+                    (depth * 100.0f64).round() as usize
+                ),
                 format!("passkey:length={length},depth={depth}"),
-            ));
-        }
-    }
-    v
+            )
+        })
+        .collect()
 }

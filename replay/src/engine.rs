@@ -182,7 +182,7 @@ pub fn attend(q: &[f32], cache: &HeadCache, scale: f32) -> (Vec<f64>, Vec<f64>, 
         .map(|e| crate::policy::dot(q, cache.key(e)) * scale + cache.bias[e])
         .collect();
     let mx = logits.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-    let w: Vec<f64> = logits.iter().map(|l| (l - mx).exp() as f64).collect();
+    let w: Vec<f64> = logits.iter().map(|l| ((l - mx) as f64).exp()).collect();
     let z: f64 = w.iter().sum();
     // Output accumulated in f32 (vectorised), reported in f64.
     let mut acc = vec![0f32; cache.d];
@@ -227,7 +227,9 @@ fn step_metrics(
     for (e, we) in cell.iter().enumerate() {
         if *we > 0.0 {
             let p = we / kept;
-            let q = c_w[e] / c_z;
+            // an entry whose weight underflows even in f64 (logit 745 below the
+            // maximum) counts as the smallest positive probability: finite KL
+            let q = (c_w[e] / c_z).max(f64::MIN_POSITIVE);
             kl += p * (p / q).ln();
         }
     }
