@@ -99,11 +99,20 @@ fn read(trace: &Trace, l: usize) -> Layer {
     }
 }
 
-/// softmax over keys 0..=j of query j of head h, in f64.
-fn attn_row(layer: &Layer, h: usize, g: usize, j: usize, d: usize, scale: f64) -> Vec<f64> {
+/// softmax over `keys` (positions of KV head g) of the query at position j of head h, in f64.
+fn softmax_over(
+    layer: &Layer,
+    h: usize,
+    g: usize,
+    j: usize,
+    keys: &[usize],
+    d: usize,
+    scale: f64,
+) -> Vec<f64> {
     let q = &layer.q[h][j * d..(j + 1) * d];
-    let l: Vec<f64> = (0..=j)
-        .map(|i| {
+    let l: Vec<f64> = keys
+        .iter()
+        .map(|&i| {
             scale
                 * q.iter()
                     .zip(&layer.k[g][i * d..(i + 1) * d])
@@ -114,6 +123,11 @@ fn attn_row(layer: &Layer, h: usize, g: usize, j: usize, d: usize, scale: f64) -
     let mx = l.iter().cloned().fold(f64::MIN, f64::max);
     let z: f64 = l.iter().map(|x| (x - mx).exp()).sum();
     l.iter().map(|x| (x - mx).exp() / z).collect()
+}
+
+/// softmax over keys 0..=j of query j of head h, in f64.
+fn attn_row(layer: &Layer, h: usize, g: usize, j: usize, d: usize, scale: f64) -> Vec<f64> {
+    softmax_over(layer, h, g, j, &(0..=j).collect::<Vec<_>>(), d, scale)
 }
 
 #[test]
@@ -256,21 +270,9 @@ fn h2o_decode_matches_a_straightforward_simulation() {
                 set.push(pos);
                 score.push(0.0);
                 for h in g * group..(g + 1) * group {
-                    let q = &layer.q[h][pos * d..(pos + 1) * d];
-                    let lg: Vec<f64> = set
-                        .iter()
-                        .map(|&i| {
-                            scale
-                                * q.iter()
-                                    .zip(&layer.k[g][i * d..(i + 1) * d])
-                                    .map(|(a, b)| *a as f64 * *b as f64)
-                                    .sum::<f64>()
-                        })
-                        .collect();
-                    let mx = lg.iter().cloned().fold(f64::MIN, f64::max);
-                    let z: f64 = lg.iter().map(|x| (x - mx).exp()).sum();
-                    for (s, x) in score.iter_mut().zip(&lg) {
-                        *s += (x - mx).exp() / z / group as f64;
+                    let probs = softmax_over(&layer, h, g, pos, &set, d, scale);
+                    for (s, x) in score.iter_mut().zip(&probs) {
+                        *s += x / group as f64;
                     }
                 }
                 let n = set.len();

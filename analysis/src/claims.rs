@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use kvreplay_replay::engine::load_layer;
+use kvreplay_replay::engine::{load_layer_shared, prompt_colsums};
 use kvreplay_replay::policy::{LayerData, PrefillCtx};
 use kvreplay_replay::{replay, Budget, PolicySpec, ReplayError};
 use kvreplay_traces::Trace;
@@ -79,11 +79,13 @@ impl Ctx<'_> {
 
     /// Column sums of layer l, head h over prompt keys (f64).
     fn colsum(&self, l: usize, h: usize) -> Vec<f64> {
+        self.colsum_f32(l, h).iter().map(|x| *x as f64).collect()
+    }
+
+    /// Column sums of layer l, head h over prompt keys, as stored.
+    fn colsum_f32(&self, l: usize, h: usize) -> &[f32] {
         let p = self.p;
-        self.layers[l].colsum[h * p..(h + 1) * p]
-            .iter()
-            .map(|x| *x as f64)
-            .collect()
+        &self.layers[l].colsum[h * p..(h + 1) * p]
     }
 
     /// Sums over the last `w` prompt rows of head h's attention, per key.
@@ -136,8 +138,9 @@ fn fmt(v: &[f64]) -> String {
 /// Every claim, measured on `trace`. Replays run at budgets derived from the
 /// prompt length P (B = P/4 unless a claim names another).
 pub fn measure(trace: &Trace) -> Result<Vec<Claim>, ReplayError> {
+    let colsums = prompt_colsums(trace);
     let layers: Vec<LayerData> = (0..trace.n_layers())
-        .map(|l| load_layer(trace, l))
+        .map(|l| load_layer_shared(trace, l, &colsums))
         .collect();
     let p = trace.manifest.prompt_len();
     let mut c = Ctx {
@@ -632,11 +635,11 @@ fn kvmerger(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayError> {
         for g in 0..nkv {
             let run: Vec<usize> = (0..p).collect();
             let key = |i: usize| c.prompt_key(l, g, i).to_vec();
+            let colsum = c.colsum_f32(l, g * (c.n_heads() / nkv));
             for set in kvreplay_replay::policies::kvmerger::sets_of_run(&run, &key, 0.75, false)
                 .iter()
                 .filter(|s| s.len() > 1)
             {
-                let colsum = c.colsum(l, g * (c.n_heads() / nkv));
                 let piv = *set
                     .iter()
                     .max_by(|&&a, &&b| colsum[a].partial_cmp(&colsum[b]).unwrap())
@@ -873,7 +876,7 @@ fn ahakv(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayError> {
             let f: Vec<f64> = (0..p - br)
                 .map(|j| {
                     (g * gs..(g + 1) * gs)
-                        .map(|h| c.colsum(l, h)[j])
+                        .map(|h| c.colsum_f32(l, h)[j] as f64)
                         .sum::<f64>()
                 })
                 .collect();

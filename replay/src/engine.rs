@@ -140,10 +140,12 @@ pub fn prompt_colsums(trace: &Trace) -> Arc<Vec<Vec<f32>>> {
 
 /// Read layer `l` of a trace as f32 (with every layer's prompt column sums).
 pub fn load_layer(trace: &Trace, l: usize) -> LayerData {
-    load_layer_with(trace, l, prompt_colsums(trace))
+    load_layer_shared(trace, l, &prompt_colsums(trace))
 }
 
-fn load_layer_with(trace: &Trace, l: usize, all_colsum: Arc<Vec<Vec<f32>>>) -> LayerData {
+/// Read layer `l`, sharing one copy of every layer's column sums (from
+/// [`prompt_colsums`]) when loading many layers.
+pub fn load_layer_shared(trace: &Trace, l: usize, all_colsum: &Arc<Vec<Vec<f32>>>) -> LayerData {
     let m = &trace.manifest;
     let view = trace.layer(l);
     fn cat<'a>(n: usize, get: impl Fn(usize) -> kvreplay_traces::HeadView<'a>) -> Vec<f32> {
@@ -162,7 +164,7 @@ fn load_layer_with(trace: &Trace, l: usize, all_colsum: Arc<Vec<Vec<f32>>>) -> L
         k: cat(m.model.n_kv_heads, |h| view.k(h)),
         v: cat(m.model.n_kv_heads, |h| view.v(h)),
         colsum: all_colsum[l].clone(),
-        all_colsum: Some(all_colsum),
+        all_colsum: Some(all_colsum.clone()),
         rope: Some(rope_params(&m.model.rope)),
         trace_id: Some(
             m.files
@@ -417,7 +419,7 @@ pub fn replay(
         .map(|group| {
             let datas: Vec<LayerData> = group
                 .iter()
-                .map(|&l| load_layer_with(trace, l, colsums.clone()))
+                .map(|&l| load_layer_shared(trace, l, &colsums))
                 .collect();
             Ok(group
                 .iter()
