@@ -112,6 +112,9 @@ struct SweepArgs {
     /// Run only shard i of n (0-based): point k belongs to shard k mod n.
     #[arg(long)]
     shard: Option<kvreplay_analysis::sweep::Shard>,
+    /// Where to compute: cpu, cuda or auto (CUDA when a usable GPU is present).
+    #[arg(long, default_value = "cpu")]
+    device: kvreplay_kernels::DeviceRequest,
 }
 
 #[derive(serde::Deserialize)]
@@ -139,6 +142,9 @@ struct ReplayArgs {
     /// Output directory for metrics.csv, retention.csv and summary.json.
     #[arg(long)]
     out: PathBuf,
+    /// Where to compute: cpu, cuda or auto (CUDA when a usable GPU is present).
+    #[arg(long, default_value = "cpu")]
+    device: kvreplay_kernels::DeviceRequest,
 }
 
 #[derive(Args)]
@@ -182,6 +188,9 @@ struct CaptureArgs {
     /// Overwrite an existing trace at --out.
     #[arg(long)]
     force: bool,
+    /// Where to compute: cpu, cuda or auto (CUDA when a usable GPU is present).
+    #[arg(long, default_value = "auto")]
+    device: kvreplay_kernels::DeviceRequest,
 }
 
 fn parse_budget(s: &str) -> Result<usize, String> {
@@ -305,9 +314,10 @@ fn cmd_capture(a: CaptureArgs) -> Result<()> {
     }
     let spinner =
         ProgressBar::new_spinner().with_message(format!("loading {}", model_path.display()));
-    let model = Model::load(&model_path)
+    let mut model = Model::load(&model_path)
         .with_context(|| format!("loading model {}", model_path.display()))?;
     spinner.finish_and_clear();
+    model.llama.set_backend(open_device(a.device)?);
     let mut opts = CaptureOptions::new(prompt, &a.out);
     opts.prompt_source = source;
     if let Some(task) = &a.task {
@@ -494,6 +504,19 @@ fn cmd_policies() -> Result<()> {
     Ok(())
 }
 
+/// Open the backend `--device` asks for; say so when `auto` falls back to the
+/// CPU, and name the GPU when one is used.
+fn open_device(req: kvreplay_kernels::DeviceRequest) -> Result<kvreplay_kernels::Backend> {
+    let o = kvreplay_kernels::Backend::open(req).context("--device cuda")?;
+    if let Some(note) = &o.note {
+        eprintln!("{note}");
+    }
+    if o.backend.device() != kvreplay_kernels::Device::Cpu {
+        eprintln!("device: {}", o.backend.describe());
+    }
+    Ok(o.backend)
+}
+
 fn cmd_replay(a: ReplayArgs) -> Result<()> {
     use kvreplay_replay::{Budget, PolicySpec};
     let spec = PolicySpec::parse(&a.policy)?;
@@ -508,7 +531,8 @@ fn cmd_replay(a: ReplayArgs) -> Result<()> {
         Trace::open(&a.trace).with_context(|| format!("opening trace {}", a.trace.display()))?;
     budget.resolve(trace.manifest.prompt_len())?;
     let start = std::time::Instant::now();
-    let r = kvreplay_replay::replay(&trace, policy.as_ref(), budget)
+    let backend = open_device(a.device)?;
+    let r = kvreplay_replay::replay_on(&trace, policy.as_ref(), budget, &backend)
         .with_context(|| format!("replaying {} on {}", spec.canonical(), a.trace.display()))?;
     let secs = start.elapsed().as_secs_f64();
     let s = kvreplay_replay::output::summary(&trace, &spec, budget, &r);
@@ -631,11 +655,18 @@ fn cmd_sweep(a: SweepArgs) -> Result<()> {
             .expect("valid template")
             .progress_chars("=> "),
     );
-    let r = kvreplay_analysis::sweep::run(&plan, &a.out, a.shard, &mut |done, total, label| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-        bar.set_message(label.to_string());
-    })
+    let backend = open_device(a.device)?;
+    let r = kvreplay_analysis::sweep::run_on(
+        &plan,
+        &a.out,
+        a.shard,
+        &backend,
+        &mut |done, total, label| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+            bar.set_message(label.to_string());
+        },
+    )
     .with_context(|| format!("sweeping into {}", a.out.display()))?;
     bar.finish_and_clear();
     if r.complete {
@@ -660,8 +691,9 @@ fn capture_suite(a: &CaptureArgs, suite: &str, model_path: &Path) -> Result<()> 
     if suite != "default" {
         bail!("unknown suite `{suite}` (known: default)");
     }
-    let model = Model::load(model_path)
+    let mut model = Model::load(model_path)
         .with_context(|| format!("loading model {}", model_path.display()))?;
+    model.llama.set_backend(open_device(a.device)?);
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let items = kvreplay_capture::tasks::default_suite();
     let bar = ProgressBar::new(items.len() as u64);

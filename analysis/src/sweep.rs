@@ -12,7 +12,8 @@
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-use kvreplay_replay::{replay, Budget, PolicySpec, ReplayError};
+use kvreplay_kernels::Backend;
+use kvreplay_replay::{replay_on, Budget, PolicySpec, ReplayError};
 use kvreplay_traces::Trace;
 
 #[derive(Debug, thiserror::Error)]
@@ -221,10 +222,15 @@ fn prepare(out: &Path, plan: &Plan) -> Result<(), SweepError> {
     }
 }
 
-fn run_point(plan: &Plan, p: &Point) -> Result<PointResult, SweepError> {
+fn run_point(plan: &Plan, p: &Point, backend: &Backend) -> Result<PointResult, SweepError> {
     let trace = Trace::open(&plan.traces[p.trace]).map_err(ReplayError::from)?;
     let spec = PolicySpec::parse(&plan.policies[p.policy])?;
-    let r = replay(&trace, spec.build()?.as_ref(), Budget::Entries(p.budget))?;
+    let r = replay_on(
+        &trace,
+        spec.build()?.as_ref(),
+        Budget::Entries(p.budget),
+        backend,
+    )?;
     let name = trace_name(&plan.traces[p.trace]);
     let short = spec.short();
     let rows: Vec<ResultRow> = r
@@ -328,6 +334,17 @@ pub fn run(
     shard: Option<Shard>,
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<RunReport, SweepError> {
+    run_on(plan, out, shard, &Backend::Cpu, progress)
+}
+
+/// [`run`] with attention computed on `backend`.
+pub fn run_on(
+    plan: &Plan,
+    out: &Path,
+    shard: Option<Shard>,
+    backend: &Backend,
+    progress: &mut dyn FnMut(usize, usize, &str),
+) -> Result<RunReport, SweepError> {
     prepare(out, plan)?;
     let mine: Vec<Point> = plan
         .points()
@@ -352,7 +369,7 @@ pub fn run(
             reused += 1;
             continue;
         }
-        let r = run_point(plan, p)?;
+        let r = run_point(plan, p, backend)?;
         write_atomic(&path, &serde_json::to_vec(&r).expect("point serialises"))?;
         ran += 1;
     }

@@ -184,7 +184,7 @@ pub fn capture(
         };
         logits = model
             .llama
-            .forward(&ids[pos..end], pos, &mut cache, fo, &mut sink);
+            .forward(&ids[pos..end], pos, &mut cache, fo, &mut sink)?;
         pos = end;
         progress(Progress {
             phase: Phase::Prefill,
@@ -205,7 +205,7 @@ pub fn capture(
         };
         logits = model
             .llama
-            .forward(&[next], p + i, &mut cache, fo, &mut sink);
+            .forward(&[next], p + i, &mut cache, fo, &mut sink)?;
         progress(Progress {
             phase: Phase::Decode,
             done: i + 1,
@@ -271,7 +271,7 @@ pub fn capture(
         },
         spans: opts.spans.clone(),
         capture: CaptureInfo {
-            device: kvreplay_kernels::Device::Cpu.name().into(),
+            device: model.llama.backend.describe(),
             dtype: opts.dtype,
             compute_dtype: "f32".into(),
             prefill_chunk: opts.prefill_chunk,

@@ -50,6 +50,8 @@ pub enum CaptureError {
     },
     #[error("{0}")]
     InvalidOption(String),
+    #[error("compute: {0}")]
+    Kernel(#[from] kvreplay_kernels::KernelError),
     #[error(transparent)]
     Trace(#[from] kvreplay_traces::TraceError),
 }

@@ -6,10 +6,8 @@
 //! `unpermute_rows`); we undo that at load time and apply NEOX ("rotate_half")
 //! RoPE, so captured q and k come out exactly as HF transformers computes them.
 
-use kvreplay_kernels::cpu::{
-    apply_rope, argmax, causal_attention_head, linear, rms_norm, silu_mul, AttentionStats,
-    RopeParams, RopeStyle,
-};
+use kvreplay_kernels::cpu::{argmax, AttentionStats, RopeParams, RopeStyle};
+use kvreplay_kernels::{Backend, KernelError, Weight};
 use rayon::prelude::*;
 
 use crate::gguf::GgufFile;
@@ -36,22 +34,24 @@ pub struct LlamaConfig {
 /// One transformer block. Shapes are (out_features, in_features), row-major.
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>, // (d_model,)
-    pub wq: Vec<f32>,        // (n_heads * head_dim, d_model), HF row order
-    pub wk: Vec<f32>,        // (n_kv_heads * head_dim, d_model), HF row order
-    pub wv: Vec<f32>,        // (n_kv_heads * head_dim, d_model)
-    pub wo: Vec<f32>,        // (d_model, n_heads * head_dim)
+    pub wq: Weight,          // (n_heads * head_dim, d_model), HF row order
+    pub wk: Weight,          // (n_kv_heads * head_dim, d_model), HF row order
+    pub wv: Weight,          // (n_kv_heads * head_dim, d_model)
+    pub wo: Weight,          // (d_model, n_heads * head_dim)
     pub ffn_norm: Vec<f32>,  // (d_model,)
-    pub w_gate: Vec<f32>,    // (ffn_dim, d_model)
-    pub w_up: Vec<f32>,      // (ffn_dim, d_model)
-    pub w_down: Vec<f32>,    // (d_model, ffn_dim)
+    pub w_gate: Weight,      // (ffn_dim, d_model)
+    pub w_up: Weight,        // (ffn_dim, d_model)
+    pub w_down: Weight,      // (d_model, ffn_dim)
 }
 
 pub struct Llama {
     pub cfg: LlamaConfig,
-    pub embed: Vec<f32>, // (vocab, d_model)
+    pub embed: Weight, // (vocab, d_model)
     pub layers: Vec<LayerWeights>,
-    pub out_norm: Vec<f32>,        // (d_model,)
-    pub lm_head: Option<Vec<f32>>, // (vocab, d_model); None = tied to `embed`
+    pub out_norm: Vec<f32>,      // (d_model,)
+    pub lm_head: Option<Weight>, // (vocab, d_model); None = tied to `embed`
+    /// Where the forward pass runs (the CPU unless set with `set_backend`).
+    pub backend: Backend,
 }
 
 /// GGUF rows of one Q/K head are ordered so that pairs (2i, 2i+1) rotate
@@ -187,10 +187,10 @@ impl Llama {
             cfg.vocab_size as u64,
         );
         let (h, kv) = (cfg.n_heads as u64, cfg.n_kv_heads as u64);
-        let embed = g.tensor_f32("token_embd.weight", &[d, v])?;
+        let embed = g.tensor_f32("token_embd.weight", &[d, v])?.into();
         let out_norm = g.tensor_f32("output_norm.weight", &[d])?;
         let lm_head = match g.tensor_info("output.weight") {
-            Some(_) => Some(g.tensor_f32("output.weight", &[d, v])?),
+            Some(_) => Some(g.tensor_f32("output.weight", &[d, v])?.into()),
             None => None,
         };
         let layers = (0..cfg.n_layers)
@@ -205,19 +205,21 @@ impl Llama {
                         cfg.n_heads,
                         cfg.head_dim,
                         cfg.d_model,
-                    ),
+                    )
+                    .into(),
                     wk: unpermute_rows(
                         &t("attn_k", &[d, kv * hd])?,
                         cfg.n_kv_heads,
                         cfg.head_dim,
                         cfg.d_model,
-                    ),
-                    wv: t("attn_v", &[d, kv * hd])?,
-                    wo: t("attn_output", &[h * hd, d])?,
+                    )
+                    .into(),
+                    wv: t("attn_v", &[d, kv * hd])?.into(),
+                    wo: t("attn_output", &[h * hd, d])?.into(),
                     ffn_norm: t("ffn_norm", &[d])?,
-                    w_gate: t("ffn_gate", &[d, f])?,
-                    w_up: t("ffn_up", &[d, f])?,
-                    w_down: t("ffn_down", &[f, d])?,
+                    w_gate: t("ffn_gate", &[d, f])?.into(),
+                    w_up: t("ffn_up", &[d, f])?.into(),
+                    w_down: t("ffn_down", &[f, d])?.into(),
                 })
             })
             .collect::<Result<_, CaptureError>>()?;
@@ -227,7 +229,13 @@ impl Llama {
             layers,
             out_norm,
             lm_head,
+            backend: Backend::Cpu,
         })
+    }
+
+    /// Run later forward passes on `backend`.
+    pub fn set_backend(&mut self, backend: Backend) {
+        self.backend = backend;
     }
 }
 
@@ -304,8 +312,9 @@ impl Llama {
         cache: &mut KvCache,
         mut opts: ForwardOptions<'_>,
         taps: &mut dyn FnMut(LayerTaps<'_>),
-    ) -> Vec<f32> {
+    ) -> Result<Vec<f32>, KernelError> {
         let cfg = &self.cfg;
+        let be = &self.backend;
         let (c, dm, hd) = (tokens.len(), cfg.d_model, cfg.head_dim);
         let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
         let group = nh / nkv;
@@ -316,20 +325,18 @@ impl Llama {
         );
         // x: (c, d_model) residual stream
         let mut x = vec![0f32; c * dm];
-        for (row, &t) in x.chunks_exact_mut(dm).zip(tokens) {
-            row.copy_from_slice(&self.embed[t as usize * dm..(t as usize + 1) * dm]);
-        }
+        be.embedding(&self.embed, dm, tokens, &mut x)?;
         for (l, w) in self.layers.iter().enumerate() {
             let mut h = x.clone();
-            rms_norm(&mut h, &w.attn_norm, cfg.norm_eps);
+            be.rms_norm(&mut h, &w.attn_norm, cfg.norm_eps)?;
             let mut q = vec![0f32; c * nh * hd]; // (c, n_heads * head_dim)
             let mut k = vec![0f32; c * nkv * hd]; // (c, n_kv_heads * head_dim)
             let mut v = vec![0f32; c * nkv * hd];
-            linear(&h, &w.wq, &mut q, c, dm, nh * hd);
-            linear(&h, &w.wk, &mut k, c, dm, nkv * hd);
-            linear(&h, &w.wv, &mut v, c, dm, nkv * hd);
-            apply_rope(&mut q, nh, hd, pos0, &cfg.rope);
-            apply_rope(&mut k, nkv, hd, pos0, &cfg.rope);
+            be.linear(&h, &w.wq, &mut q, c, dm, nh * hd)?;
+            be.linear(&h, &w.wk, &mut k, c, dm, nkv * hd)?;
+            be.linear(&h, &w.wv, &mut v, c, dm, nkv * hd)?;
+            be.rope(&mut q, nh, hd, pos0, &cfg.rope, 1.0)?;
+            be.rope(&mut k, nkv, hd, pos0, &cfg.rope, 1.0)?;
             let (q, k, v) = (
                 to_head_major(&q, c, nh, hd),
                 to_head_major(&k, c, nkv, hd),
@@ -364,10 +371,10 @@ impl Llama {
                 .zip(colsum_heads.par_iter_mut())
                 .zip(probs_heads.par_iter_mut())
                 .enumerate()
-                .for_each(|(head, ((out, cs), pr))| {
+                .try_for_each(|(head, ((out, cs), pr))| {
                     let g = head / group;
                     let kv = g * cap * hd..(g * cap + n) * hd;
-                    causal_attention_head(
+                    be.causal_attention_head(
                         &q[head * c * hd..(head + 1) * c * hd],
                         &kc[kv.clone()],
                         &vc[kv],
@@ -379,8 +386,8 @@ impl Llama {
                             colsum: cs.as_deref_mut(),
                             probs: pr.as_deref_mut(),
                         },
-                    );
-                });
+                    )
+                })?;
             taps(LayerTaps {
                 layer: l,
                 pos0,
@@ -392,26 +399,26 @@ impl Llama {
             });
             let o_rows = from_head_major(&o, c, nh, hd);
             let mut attn = vec![0f32; c * dm];
-            linear(&o_rows, &w.wo, &mut attn, c, nh * hd, dm);
+            be.linear(&o_rows, &w.wo, &mut attn, c, nh * hd, dm)?;
             x.iter_mut().zip(&attn).for_each(|(a, b)| *a += b);
             // SwiGLU MLP
             let mut h = x.clone();
-            rms_norm(&mut h, &w.ffn_norm, cfg.norm_eps);
+            be.rms_norm(&mut h, &w.ffn_norm, cfg.norm_eps)?;
             let mut gate = vec![0f32; c * cfg.ffn_dim];
             let mut up = vec![0f32; c * cfg.ffn_dim];
-            linear(&h, &w.w_gate, &mut gate, c, dm, cfg.ffn_dim);
-            linear(&h, &w.w_up, &mut up, c, dm, cfg.ffn_dim);
-            silu_mul(&mut gate, &up);
+            be.linear(&h, &w.w_gate, &mut gate, c, dm, cfg.ffn_dim)?;
+            be.linear(&h, &w.w_up, &mut up, c, dm, cfg.ffn_dim)?;
+            be.silu_mul(&mut gate, &up)?;
             let mut down = vec![0f32; c * dm];
-            linear(&gate, &w.w_down, &mut down, c, cfg.ffn_dim, dm);
+            be.linear(&gate, &w.w_down, &mut down, c, cfg.ffn_dim, dm)?;
             x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
         }
         let mut last = x[(c - 1) * dm..].to_vec();
-        rms_norm(&mut last, &self.out_norm, cfg.norm_eps);
-        let head = self.lm_head.as_deref().unwrap_or(&self.embed);
+        be.rms_norm(&mut last, &self.out_norm, cfg.norm_eps)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let mut logits = vec![0f32; cfg.vocab_size];
-        linear(&last, head, &mut logits, 1, dm, cfg.vocab_size);
-        logits
+        be.linear(&last, head, &mut logits, 1, dm, cfg.vocab_size)?;
+        Ok(logits)
     }
 
     /// Greedy next token from logits.

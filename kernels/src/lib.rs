@@ -1,9 +1,10 @@
 //! Compute kernels for kvreplay.
 //!
 //! `cpu` holds the reference implementation of every operation capture and
-//! replay need. A CUDA backend (its own issue) will add a `cuda` module whose
-//! every function has its twin here and a parity test against it; callers
-//! select a backend through [`Device`].
+//! replay need. `cuda` (feature `cuda`) holds NVRTC-compiled twins of them,
+//! each checked by a parity test (`kernels/tests/parity.rs`). Callers open a
+//! [`Backend`] from a [`DeviceRequest`] (`--device cpu|cuda|auto`) and run
+//! every operation through it.
 //!
 //! Invariant: kernels know nothing of models, traces or policies; they take
 //! slices with shapes written in their doc comments.
@@ -11,19 +12,28 @@
 //! Determinism: every kernel gives bit-identical results for any number of
 //! rayon threads (work is split into fixed-size blocks, never by thread count).
 
+mod backend;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod weight;
 
-/// Where kernels run. Only the CPU exists in this build.
+pub use backend::{Backend, DeviceRequest, Opened};
+pub use weight::Weight;
+
+/// Where kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Device {
     #[default]
     Cpu,
+    Cuda,
 }
 
 impl Device {
     pub fn name(self) -> &'static str {
         match self {
             Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
         }
     }
 }
@@ -32,6 +42,12 @@ impl Device {
 pub enum KernelError {
     #[error("{op}: {msg}")]
     Shape { op: &'static str, msg: String },
+    /// The requested device cannot be used here (no driver, GPU or NVRTC).
+    #[error("{0}")]
+    Unavailable(String),
+    /// A CUDA call failed.
+    #[error("CUDA: {0}")]
+    Cuda(String),
     #[error("unsupported tensor type {0}")]
     UnsupportedType(String),
 }

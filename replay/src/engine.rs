@@ -9,6 +9,7 @@ use kvreplay_traces::Trace;
 use crate::cache::HeadCache;
 use crate::policy::{LayerData, Policy, PrefillCtx, StepCtx};
 use crate::ReplayError;
+use kvreplay_kernels::Backend;
 
 /// How much prompt cache to keep per KV head and layer.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -173,29 +174,33 @@ pub fn load_layer_shared(trace: &Trace, l: usize, all_colsum: &Arc<Vec<Vec<f32>>
                 .collect::<String>()
                 .into(),
         ),
+        backend: Backend::Cpu,
     }
 }
 
 /// Attention of query `q` over `cache`: the output (d,), the unnormalised
 /// weights exp(logit - max) (n,) and their sum (f64).
-pub fn attend(q: &[f32], cache: &HeadCache, scale: f32) -> (Vec<f64>, Vec<f64>, f64) {
-    let n = cache.len();
-    let logits: Vec<f32> = (0..n)
-        .map(|e| crate::policy::dot(q, cache.key(e)) * scale + cache.bias[e])
-        .collect();
-    let mx = logits.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-    let w: Vec<f64> = logits.iter().map(|l| ((l - mx) as f64).exp()).collect();
-    let z: f64 = w.iter().sum();
+pub fn attend(
+    q: &[f32],
+    cache: &HeadCache,
+    scale: f32,
+    backend: &Backend,
+) -> Result<(Vec<f64>, Vec<f64>, f64), ReplayError> {
+    let mut w = vec![0f64; cache.len()];
+    let mut z = [0f64];
     // Output accumulated in f32 (vectorised), reported in f64.
     let mut acc = vec![0f32; cache.d];
-    for (e, we) in w.iter().enumerate() {
-        let p = (we / z) as f32;
-        for (o, v) in acc.iter_mut().zip(cache.value(e)) {
-            *o += p * v;
-        }
-    }
-    let out = acc.iter().map(|x| *x as f64).collect();
-    (out, w, z)
+    backend.attend_biased(
+        q,
+        &cache.keys,
+        &cache.values,
+        &cache.bias,
+        scale,
+        &mut w,
+        &mut z,
+        &mut acc,
+    )?;
+    Ok((acc.iter().map(|x| *x as f64).collect(), w, z[0]))
 }
 
 /// Step metrics of one query: (rel_l2, cosine, attn_mass, kl). `full_w`/`full_z`
@@ -242,7 +247,7 @@ fn step_metrics(
 type Reference = Vec<Vec<(Vec<f64>, Vec<f64>, f64)>>;
 
 /// Attention of every decode query of `data` over the full cache of its KV head.
-fn full_reference(data: &LayerData) -> Reference {
+fn full_reference(data: &LayerData) -> Result<Reference, ReplayError> {
     let ctx = PrefillCtx::new(data, 1);
     let mut full = ctx.full_caches();
     let group = data.group();
@@ -252,7 +257,14 @@ fn full_reference(data: &LayerData) -> Reference {
                 f.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
             }
             (0..data.n_heads)
-                .map(|h| attend(data.q_row(h, pos), &full[h / group], data.scale))
+                .map(|h| {
+                    attend(
+                        data.q_row(h, pos),
+                        &full[h / group],
+                        data.scale,
+                        &data.backend,
+                    )
+                })
                 .collect()
         })
         .collect()
@@ -312,10 +324,12 @@ pub fn replay_group(
     let reference: Vec<Arc<Reference>> = datas
         .iter()
         .map(|d| match &d.trace_id {
-            Some(id) => crate::memo::get_or(id, d.layer, "full_reference", || full_reference(d)),
-            None => Arc::new(full_reference(d)),
+            Some(id) => {
+                crate::memo::try_get_or(id, d.layer, "full_reference", || full_reference(d))
+            }
+            None => full_reference(d).map(Arc::new),
         })
-        .collect();
+        .collect::<Result<_, _>>()?;
     let mut sums: Vec<Vec<[f64; 4]>> = datas.iter().map(|d| vec![[0f64; 4]; d.n_heads]).collect();
     let mut probs: Vec<Vec<Vec<f32>>> = datas.iter().map(|d| vec![Vec::new(); d.n_heads]).collect();
     for pos in p..t {
@@ -328,7 +342,7 @@ pub fn replay_group(
             for h in 0..data.n_heads {
                 let c = cache_of(i, h);
                 let q = data.q_row(h, pos);
-                let (o_c, c_w, c_z) = attend(q, &caches[i][c], data.scale);
+                let (o_c, c_w, c_z) = attend(q, &caches[i][c], data.scale, &data.backend)?;
                 let (o_f, f_w, f_z) = &reference[i][pos - p][h];
                 let m = step_metrics(&o_c, o_f, &caches[i][c], &c_w, c_z, f_w, *f_z);
                 for (s, x) in sums[i][h].iter_mut().zip([m.0, m.1, m.2, m.3]) {
@@ -397,12 +411,22 @@ pub fn replay_group(
         .collect())
 }
 
-/// Replay `policy` on every layer of `trace` (layers in parallel; results
-/// do not depend on the thread count).
+/// Replay `policy` on every layer of `trace` on the CPU (layers in parallel;
+/// results do not depend on the thread count).
 pub fn replay(
     trace: &Trace,
     policy: &dyn Policy,
     budget: Budget,
+) -> Result<ReplayResult, ReplayError> {
+    replay_on(trace, policy, budget, &Backend::Cpu)
+}
+
+/// [`replay`] with attention computed on `backend`.
+pub fn replay_on(
+    trace: &Trace,
+    policy: &dyn Policy,
+    budget: Budget,
+    backend: &Backend,
 ) -> Result<ReplayResult, ReplayError> {
     let m = &trace.manifest;
     if m.generation.n_decode == 0 {
@@ -419,7 +443,11 @@ pub fn replay(
         .map(|group| {
             let datas: Vec<LayerData> = group
                 .iter()
-                .map(|&l| load_layer_shared(trace, l, &colsums))
+                .map(|&l| {
+                    let mut d = load_layer_shared(trace, l, &colsums);
+                    d.set_backend(backend);
+                    d
+                })
                 .collect();
             Ok(group
                 .iter()

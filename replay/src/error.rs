@@ -22,6 +22,8 @@ pub enum ReplayError {
     BadBudget(String),
     #[error("trace {path}: {msg}")]
     TraceLacks { path: String, msg: String },
+    #[error("compute: {0}")]
+    Kernel(#[from] kvreplay_kernels::KernelError),
     #[error(transparent)]
     Trace(#[from] kvreplay_traces::TraceError),
     #[error("{path}: {err}")]

@@ -17,7 +17,7 @@ pub mod policy;
 pub mod spec;
 
 pub use cache::HeadCache;
-pub use engine::{replay, replay_layer, Budget, HeadMetrics, ReplayResult, Retained};
+pub use engine::{replay, replay_layer, replay_on, Budget, HeadMetrics, ReplayResult, Retained};
 pub use error::ReplayError;
 pub use policies::{PolicyInfo, REGISTRY};
 pub use spec::PolicySpec;

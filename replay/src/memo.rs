@@ -32,22 +32,35 @@ pub fn get_or<T: Any + Send + Sync>(
     key: &str,
     f: impl FnOnce() -> T,
 ) -> Arc<T> {
+    match try_get_or(trace, layer, key, || Ok::<T, std::convert::Infallible>(f())) {
+        Ok(v) => v,
+        Err(e) => match e {},
+    }
+}
+
+/// As [`get_or`] for a computation that can fail; failures are not kept.
+pub fn try_get_or<T: Any + Send + Sync, E>(
+    trace: &str,
+    layer: usize,
+    key: &str,
+    f: impl FnOnce() -> Result<T, E>,
+) -> Result<Arc<T>, E> {
     {
         let m = memo().lock().expect("memo lock");
         if m.trace == trace {
             if let Some(v) = m.map.get(&(layer, key.to_string())) {
                 if let Ok(v) = v.clone().downcast::<T>() {
-                    return v;
+                    return Ok(v);
                 }
             }
         }
     }
-    let v = Arc::new(f());
+    let v = Arc::new(f()?);
     let mut m = memo().lock().expect("memo lock");
     if m.trace != trace {
         m.trace = trace.to_string();
         m.map.clear();
     }
     m.map.insert((layer, key.to_string()), v.clone());
-    v
+    Ok(v)
 }

@@ -38,12 +38,23 @@ pub struct LayerData {
     /// The model's rotary embedding (to undo or redo the rotation of stored
     /// keys); None when unknown.
     pub rope: Option<kvreplay_kernels::cpu::RopeParams>,
-    /// Identity of the trace (its layer files' checksums), under which
-    /// budget-independent results are reused; None: never reused.
+    /// Identity of the trace (its layer files' checksums) and the device,
+    /// under which budget-independent results are reused; None: never reused.
     pub trace_id: Option<std::sync::Arc<str>>,
+    /// Where attention is computed.
+    pub backend: kvreplay_kernels::Backend,
 }
 
 impl LayerData {
+    /// Compute on `backend`; budget-independent results are then kept apart
+    /// from those of other devices.
+    pub fn set_backend(&mut self, backend: &kvreplay_kernels::Backend) {
+        if let Some(id) = &self.trace_id {
+            let base = id.split('@').next().unwrap_or(id);
+            self.trace_id = Some(format!("{base}@{}", backend.device().name()).into());
+        }
+        self.backend = backend.clone();
+    }
     pub fn group(&self) -> usize {
         self.n_heads / self.n_kv_heads
     }
@@ -174,17 +185,22 @@ impl<'a> PrefillCtx<'a> {
             rows.end <= p,
             "policy asked for attention rows beyond the prompt"
         );
-        let g = h / self.data.group();
+        let (g, d, t) = (h / self.data.group(), self.data.d, self.data.total_len);
         let mut out = vec![0f32; rows.len() * p];
-        for (r, j) in rows.enumerate() {
-            let row = &mut out[r * p..r * p + j + 1];
-            let q = self.data.q_row(h, j);
-            let gj = gain(j);
-            for (i, x) in row.iter_mut().enumerate() {
-                *x = dot(q, self.data.k_row(g, i)) * self.data.scale * gj;
-            }
-            softmax_in_place(row);
-        }
+        let lens: Vec<usize> = rows.clone().map(|j| j + 1).collect();
+        let gains: Vec<f32> = rows.clone().map(gain).collect();
+        let q = &self.data.q[(h * t + rows.start) * d..(h * t + rows.end) * d];
+        let keys = &self.data.k[g * t * d..(g * t + p) * d];
+        // Shapes hold by construction; only a failing device can fail here.
+        self.data
+            .backend
+            .attention_rows(q, keys, d, &lens, &gains, self.data.scale, &mut out)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "scoring rows on {}: {e}; rerun with --device cpu",
+                    self.data.backend.describe()
+                )
+            });
         out
     }
     /// The caches a policy builds: one per KV head (with its group's query
@@ -311,26 +327,7 @@ impl DecodeState for AppendOnly {
     fn step(&mut self, _: &StepCtx, _: &mut [HeadCache]) {}
 }
 
-/// Dot product with 8 independent partial sums (vectorisable; the summation
-/// order is fixed, so results never depend on the machine's thread count).
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
+pub use kvreplay_kernels::cpu::{dot, softmax_in_place};
 
 /// Cosine similarity in f64 (0 when either vector is zero).
 pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
@@ -341,18 +338,6 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
         bb += (*y as f64).powi(2);
     }
     ab / (aa.sqrt() * bb.sqrt()).max(1e-12)
-}
-
-/// Max-shifted softmax in place (f64 normaliser).
-pub fn softmax_in_place(x: &mut [f32]) {
-    let mx = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-    let mut z = 0f64;
-    for v in x.iter_mut() {
-        *v = (*v - mx).exp();
-        z += *v as f64;
-    }
-    let inv = (1.0 / z) as f32;
-    x.iter_mut().for_each(|v| *v *= inv);
 }
 
 /// Element-wise mean of equally long rows, summed in row order.

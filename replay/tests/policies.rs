@@ -31,7 +31,13 @@ fn run_steps(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<HeadCache>>
         }
         let probs: Vec<Vec<f32>> = (0..data.n_heads)
             .map(|h| {
-                let (_, w, z) = attend(data.q_row(h, pos), &caches[cache_of(h)], data.scale);
+                let (_, w, z) = attend(
+                    data.q_row(h, pos),
+                    &caches[cache_of(h)],
+                    data.scale,
+                    &data.backend,
+                )
+                .unwrap();
                 w.iter().map(|x| (x / z) as f32).collect()
             })
             .collect();

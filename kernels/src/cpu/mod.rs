@@ -1,13 +1,15 @@
 //! CPU reference kernels (f32 compute, rayon over fixed-size blocks).
 
 pub mod attention;
+pub mod decode;
 pub mod dequant;
 pub mod linear;
 pub mod norm;
 pub mod rope;
 
 pub use attention::{causal_attention_head, AttentionStats};
+pub use decode::{attend_biased, attention_rows, dot, softmax_in_place, top_k};
 pub use dequant::{dequantize, BlockType};
 pub use linear::linear;
-pub use norm::{argmax, rms_norm, silu_mul};
-pub use rope::{apply_rope, unapply_rope, RopeParams, RopeStyle};
+pub use norm::{argmax, embedding, rms_norm, silu_mul};
+pub use rope::{apply_rope, rope_table, rotate_with_table, unapply_rope, RopeParams, RopeStyle};

@@ -22,6 +22,24 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// Embedding lookup: row r of `out` (ids.len(), dim) is row `ids[r]` of
+/// `table` (vocab, dim).
+pub fn embedding(table: &[f32], dim: usize, ids: &[u32], out: &mut [f32]) {
+    assert_eq!(
+        out.len(),
+        ids.len() * dim,
+        "embedding: out is not (ids, dim)"
+    );
+    for (o, &id) in out.chunks_exact_mut(dim).zip(ids) {
+        let id = id as usize;
+        assert!(
+            (id + 1) * dim <= table.len(),
+            "embedding: id {id} is outside the table"
+        );
+        o.copy_from_slice(&table[id * dim..(id + 1) * dim]);
+    }
+}
+
 /// Index of the largest value (the first one on ties); NaNs are never chosen.
 pub fn argmax(x: &[f32]) -> usize {
     let mut best = 0;

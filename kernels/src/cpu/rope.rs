@@ -40,8 +40,38 @@ pub fn unapply_rope(x: &mut [f32], n_heads: usize, head_dim: usize, pos0: usize,
 }
 
 fn rotate(x: &mut [f32], n_heads: usize, head_dim: usize, pos0: usize, p: &RopeParams, sign: f64) {
+    let rows = x.len() / (n_heads * head_dim).max(1);
+    let table = rope_table(rows, pos0, p, sign);
+    rotate_with_table(x, n_heads, head_dim, p.style, p.rotated_dims, &table);
+}
+
+/// (cos, sin) of every rotation angle, `sign`·angle(pos0 + r, i), computed in
+/// f64 and rounded to f32: (rows, rotated_dims / 2, 2). Shared by the CPU and
+/// CUDA rotations so both rotate by bit-identical angles.
+pub fn rope_table(rows: usize, pos0: usize, p: &RopeParams, sign: f64) -> Vec<f32> {
+    let half = p.rotated_dims / 2;
+    let mut t = Vec::with_capacity(rows * half * 2);
+    for r in 0..rows {
+        for i in 0..half {
+            let a = sign * p.angle(pos0 + r, i);
+            t.push(a.cos() as f32);
+            t.push(a.sin() as f32);
+        }
+    }
+    t
+}
+
+/// Rotate `x` (rows, n_heads, head_dim) in place by a [`rope_table`].
+pub fn rotate_with_table(
+    x: &mut [f32],
+    n_heads: usize,
+    head_dim: usize,
+    style: RopeStyle,
+    rotated_dims: usize,
+    table: &[f32],
+) {
     assert!(
-        p.rotated_dims <= head_dim && p.rotated_dims.is_multiple_of(2),
+        rotated_dims <= head_dim && rotated_dims.is_multiple_of(2),
         "rope: bad rotated_dims"
     );
     let row_len = n_heads * head_dim;
@@ -50,16 +80,20 @@ fn rotate(x: &mut [f32], n_heads: usize, head_dim: usize, pos0: usize, p: &RopeP
         0,
         "rope: x is not (rows, n_heads, head_dim)"
     );
-    let half = p.rotated_dims / 2;
-    let mut cs = vec![(0f32, 0f32); half];
-    for (r, row) in x.chunks_exact_mut(row_len).enumerate() {
-        for (i, c) in cs.iter_mut().enumerate() {
-            let a = sign * p.angle(pos0 + r, i);
-            *c = (a.cos() as f32, a.sin() as f32);
-        }
+    let half = rotated_dims / 2;
+    assert_eq!(
+        table.len(),
+        x.len() / row_len * half * 2,
+        "rope: table is not (rows, half, 2)"
+    );
+    for (row, cs) in x
+        .chunks_exact_mut(row_len)
+        .zip(table.chunks_exact(half * 2))
+    {
         for head in row.chunks_exact_mut(head_dim) {
-            for (i, &(cos, sin)) in cs.iter().enumerate() {
-                let (a, b) = match p.style {
+            for i in 0..half {
+                let (cos, sin) = (cs[2 * i], cs[2 * i + 1]);
+                let (a, b) = match style {
                     RopeStyle::Neox => (i, i + half),
                     RopeStyle::Interleaved => (2 * i, 2 * i + 1),
                 };

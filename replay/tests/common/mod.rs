@@ -58,6 +58,7 @@ pub fn simple_layer(
         all_colsum: None,
         rope: None,
         trace_id: None,
+        backend: Default::default(),
     }
 }
 
@@ -120,6 +121,7 @@ pub fn random_layer(seed: u64, nh: usize, nkv: usize, d: usize, p: usize, t: usi
         all_colsum: None,
         rope: None,
         trace_id: None,
+        backend: Default::default(),
     }
 }
 

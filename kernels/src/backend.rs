@@ -1,0 +1,378 @@
+//! Backend selection and the operations capture and replay run through it.
+//!
+//! Every operation takes and returns host slices with the shapes of its CPU
+//! twin in [`crate::cpu`]; the CUDA backend copies inputs to the device, runs
+//! the kernel and copies the result back (weights stay resident, see
+//! [`Weight`]). Results of one backend do not depend on the thread count.
+
+use std::str::FromStr;
+
+use crate::cpu::{self, AttentionStats, BlockType, RopeParams};
+use crate::{Device, KernelError, Weight};
+
+/// What `--device` asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DeviceRequest {
+    Cpu,
+    Cuda,
+    /// CUDA when a usable GPU is present, else the CPU (and say why).
+    #[default]
+    Auto,
+}
+
+impl FromStr for DeviceRequest {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(DeviceRequest::Cpu),
+            "cuda" | "gpu" => Ok(DeviceRequest::Cuda),
+            "auto" => Ok(DeviceRequest::Auto),
+            _ => Err(format!("unknown device {s:?}: use cpu, cuda or auto")),
+        }
+    }
+}
+
+/// An open backend. Cheap to clone (the CUDA state is shared).
+#[derive(Clone, Default)]
+pub enum Backend {
+    #[default]
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda(std::sync::Arc<crate::cuda::Cuda>),
+}
+
+/// The result of [`Backend::open`]: the backend, and a note when `auto` fell
+/// back to the CPU (callers print it).
+pub struct Opened {
+    pub backend: Backend,
+    pub note: Option<String>,
+}
+
+impl Backend {
+    /// Open the backend `req` asks for. `Cuda` fails with a clear reason when
+    /// no usable GPU, driver or NVRTC is present; `Auto` then uses the CPU.
+    pub fn open(req: DeviceRequest) -> Result<Opened, KernelError> {
+        let done = |backend| Opened {
+            backend,
+            note: None,
+        };
+        match req {
+            DeviceRequest::Cpu => Ok(done(Backend::Cpu)),
+            DeviceRequest::Cuda => open_cuda().map(done),
+            DeviceRequest::Auto => Ok(match open_cuda() {
+                Ok(b) => done(b),
+                Err(e) => Opened {
+                    backend: Backend::Cpu,
+                    note: Some(format!("--device auto: running on the CPU ({e})")),
+                },
+            }),
+        }
+    }
+
+    pub fn device(&self) -> Device {
+        match self {
+            Backend::Cpu => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => Device::Cuda,
+        }
+    }
+
+    /// One line for logs and provenance, e.g. "cpu" or "cuda: NVIDIA H100 (sm_90), cuBLAS".
+    pub fn describe(&self) -> String {
+        match self {
+            Backend::Cpu => "cpu".into(),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => format!("cuda: {}", c.describe()),
+        }
+    }
+
+    /// Dequantise whole blocks of `ty` in `src` into `out`.
+    pub fn dequantize(
+        &self,
+        ty: BlockType,
+        src: &[u8],
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        match self {
+            Backend::Cpu => cpu::dequantize(ty, src, out),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.dequantize(ty, src, out),
+        }
+    }
+
+    /// `out` (ids.len(), dim) = rows `ids` of `table` (vocab, dim).
+    pub fn embedding(
+        &self,
+        table: &Weight,
+        dim: usize,
+        ids: &[u32],
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        check(
+            ids.iter().all(|&i| (i as usize + 1) * dim <= table.len()),
+            "embedding",
+            || {
+                format!(
+                    "an id is outside the table of {} rows",
+                    table.len() / dim.max(1)
+                )
+            },
+        )?;
+        check(out.len() == ids.len() * dim, "embedding", || {
+            "out is not (ids, dim)".into()
+        })?;
+        match self {
+            Backend::Cpu => {
+                cpu::embedding(table, dim, ids, out);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.embedding(table, dim, ids, out),
+        }
+    }
+
+    /// `out[m, n] = x[m, k] · w[n, k]ᵀ`.
+    pub fn linear(
+        &self,
+        x: &[f32],
+        w: &Weight,
+        out: &mut [f32],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        check(
+            x.len() == m * k && w.len() == n * k && out.len() == m * n,
+            "linear",
+            || {
+                format!(
+                    "x {} w {} out {} for m={m} k={k} n={n}",
+                    x.len(),
+                    w.len(),
+                    out.len()
+                )
+            },
+        )?;
+        match self {
+            Backend::Cpu => {
+                cpu::linear(x, w, out, m, k, n);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.linear(x, w, out, m, k, n),
+        }
+    }
+
+    /// RMSNorm of each row of `x` (rows, w.len()) in place.
+    pub fn rms_norm(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<(), KernelError> {
+        check(
+            !w.is_empty() && x.len().is_multiple_of(w.len()),
+            "rms_norm",
+            || "x is not (rows, dim)".into(),
+        )?;
+        match self {
+            Backend::Cpu => {
+                cpu::rms_norm(x, w, eps);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.rms_norm(x, w, eps),
+        }
+    }
+
+    /// gate = silu(gate) · up.
+    pub fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<(), KernelError> {
+        check(gate.len() == up.len(), "silu_mul", || {
+            "gate and up differ in length".into()
+        })?;
+        match self {
+            Backend::Cpu => {
+                cpu::silu_mul(gate, up);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.silu_mul(gate, up),
+        }
+    }
+
+    /// Rotate `x` (rows, n_heads, head_dim), row r at position pos0 + r, by
+    /// `sign` times the RoPE angles (1.0 applies, -1.0 undoes).
+    pub fn rope(
+        &self,
+        x: &mut [f32],
+        n_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+        p: &RopeParams,
+        sign: f64,
+    ) -> Result<(), KernelError> {
+        let row = n_heads * head_dim;
+        check(row > 0 && x.len().is_multiple_of(row), "rope", || {
+            "x is not (rows, n_heads, head_dim)".into()
+        })?;
+        let table = cpu::rope_table(x.len() / row, pos0, p, sign);
+        match self {
+            Backend::Cpu => {
+                cpu::rotate_with_table(x, n_heads, head_dim, p.style, p.rotated_dims, &table);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.rope(x, n_heads, head_dim, p, &table),
+        }
+    }
+
+    /// Causal attention of one head with optional column sums and
+    /// probabilities; see [`cpu::causal_attention_head`] for the shapes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn causal_attention_head(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        d: usize,
+        pos0: usize,
+        scale: f32,
+        out: &mut [f32],
+        stats: AttentionStats<'_>,
+    ) -> Result<(), KernelError> {
+        let c = q.len() / d.max(1);
+        let n = pos0 + c;
+        check(
+            q.len() == c * d && k.len() >= n * d && v.len() >= n * d && out.len() == c * d,
+            "attention",
+            || {
+                format!(
+                    "q {} k {} v {} out {} for c={c} d={d} pos0={pos0}",
+                    q.len(),
+                    k.len(),
+                    v.len(),
+                    out.len()
+                )
+            },
+        )?;
+        if let Some(p) = &stats.probs {
+            check(p.len() == c * n, "attention", || {
+                "probs is not (c, pos0 + c)".into()
+            })?;
+        }
+        match self {
+            Backend::Cpu => {
+                cpu::causal_attention_head(q, k, v, d, pos0, scale, out, stats);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cu) => {
+                cu.causal_attention_head(q, &k[..n * d], &v[..n * d], d, pos0, scale, out, stats)
+            }
+        }
+    }
+
+    /// Decode queries `q` (nq, d) over a cache `keys`/`values` (n, d) with
+    /// logit `bias` (n,): `w` (nq, n) = exp(logit - max) in f64, `z` (nq,) their
+    /// sums, `out` (nq, d) the outputs. See [`cpu::attend_biased`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_biased(
+        &self,
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        bias: &[f32],
+        scale: f32,
+        w: &mut [f64],
+        z: &mut [f64],
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let (nq, n) = (z.len(), bias.len());
+        let d = q.len() / nq.max(1);
+        check(
+            q.len() == nq * d
+                && keys.len() == n * d
+                && values.len() == n * d
+                && w.len() == nq * n
+                && out.len() == nq * d,
+            "attend_biased",
+            || format!("shapes do not match (nq={nq}, n={n}, d={d})"),
+        )?;
+        match self {
+            Backend::Cpu => {
+                for i in 0..nq {
+                    z[i] = cpu::attend_biased(
+                        &q[i * d..(i + 1) * d],
+                        keys,
+                        values,
+                        bias,
+                        scale,
+                        &mut w[i * n..(i + 1) * n],
+                        &mut out[i * d..(i + 1) * d],
+                    );
+                }
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.attend_biased(q, keys, values, bias, scale, w, z, out),
+        }
+    }
+
+    /// Scoring rows; see [`cpu::attention_rows`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_rows(
+        &self,
+        q: &[f32],
+        keys: &[f32],
+        d: usize,
+        lens: &[usize],
+        gains: &[f32],
+        scale: f32,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let (r, n) = (lens.len(), keys.len() / d.max(1));
+        check(
+            q.len() == r * d
+                && gains.len() == r
+                && out.len() == r * n
+                && lens.iter().all(|&l| l <= n),
+            "attention_rows",
+            || format!("shapes do not match (r={r}, n={n}, d={d})"),
+        )?;
+        match self {
+            Backend::Cpu => {
+                cpu::attention_rows(q, keys, d, lens, gains, scale, out);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.attention_rows(q, keys, d, lens, gains, scale, out),
+        }
+    }
+
+    /// Indices of the `k` best scores (ties: later position first), ascending.
+    pub fn top_k(&self, scores: &[f32], pos: &[u32], k: usize) -> Result<Vec<usize>, KernelError> {
+        check(scores.len() == pos.len(), "top_k", || {
+            "scores and positions differ in length".into()
+        })?;
+        match self {
+            Backend::Cpu => Ok(cpu::top_k(scores, pos, k)),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.top_k(scores, pos, k),
+        }
+    }
+}
+
+fn check(ok: bool, op: &'static str, msg: impl FnOnce() -> String) -> Result<(), KernelError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(KernelError::Shape { op, msg: msg() })
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda() -> Result<Backend, KernelError> {
+    crate::cuda::Cuda::open().map(|c| Backend::Cuda(std::sync::Arc::new(c)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda() -> Result<Backend, KernelError> {
+    Err(KernelError::Unavailable(
+        "this kvreplay was built without the `cuda` feature; rebuild with `cargo build --release --features cuda`".into(),
+    ))
+}

@@ -1,0 +1,167 @@
+//! Replay-side kernels: attention of decode queries over a (compressed) cache
+//! with per-entry logit bias, causal scoring rows, and top-k selection.
+
+/// Dot product with eight fixed accumulators (the summation order is fixed,
+/// so results never depend on the machine's thread count). Vectorises.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// Attention of one query over a cache of `n` entries, each with a logit bias.
+///
+/// - `q`: (d,); `keys`, `values`: (n, d); `bias`: (n,)
+/// - `w`: (n,) receives exp(logit - max) in f64, logit = scale·q·k + bias
+/// - `out`: (d,) receives Σ_e (w_e / z) v_e, accumulated in f32
+///
+/// Returns z = Σ_e w_e (f64).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_biased(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    bias: &[f32],
+    scale: f32,
+    w: &mut [f64],
+    out: &mut [f32],
+) -> f64 {
+    let d = q.len();
+    let n = bias.len();
+    assert!(
+        keys.len() == n * d && values.len() == n * d && w.len() == n && out.len() == d,
+        "attend_biased: shapes do not match (n={n}, d={d})"
+    );
+    let mut mx = f32::NEG_INFINITY;
+    for (e, we) in w.iter_mut().enumerate() {
+        let l = dot(q, &keys[e * d..(e + 1) * d]) * scale + bias[e];
+        *we = l as f64;
+        mx = mx.max(l);
+    }
+    let mut z = 0f64;
+    for we in w.iter_mut() {
+        *we = ((*we as f32 - mx) as f64).exp();
+        z += *we;
+    }
+    out.fill(0.0);
+    for (e, we) in w.iter().enumerate() {
+        let p = (we / z) as f32;
+        for (o, v) in out.iter_mut().zip(&values[e * d..(e + 1) * d]) {
+            *o += p * v;
+        }
+    }
+    z
+}
+
+/// Causal attention rows for scoring: row r is query `q[r]` over keys
+/// `0 .. lens[r]`, logits scale·gain[r]·q·k, softmax with an f64 normaliser;
+/// entries at and beyond `lens[r]` are zero.
+///
+/// - `q`: (r, d); `keys`: (n, d); `lens`, `gains`: (r,); `out`: (r, n)
+pub fn attention_rows(
+    q: &[f32],
+    keys: &[f32],
+    d: usize,
+    lens: &[usize],
+    gains: &[f32],
+    scale: f32,
+    out: &mut [f32],
+) {
+    let r = lens.len();
+    let n = keys.len() / d;
+    assert!(
+        q.len() == r * d && gains.len() == r && out.len() == r * n,
+        "attention_rows: shapes do not match (r={r}, n={n}, d={d})"
+    );
+    for (i, row) in out.chunks_exact_mut(n).enumerate() {
+        let len = lens[i];
+        assert!(
+            len <= n,
+            "attention_rows: row {i} attends to {len} > {n} keys"
+        );
+        let qi = &q[i * d..(i + 1) * d];
+        let (live, rest) = row.split_at_mut(len);
+        for (j, x) in live.iter_mut().enumerate() {
+            *x = dot(qi, &keys[j * d..(j + 1) * d]) * scale * gains[i];
+        }
+        softmax_in_place(live);
+        rest.fill(0.0);
+    }
+}
+
+/// Max-shifted softmax in place: exp in f32, normaliser summed in f64.
+pub fn softmax_in_place(x: &mut [f32]) {
+    let mx = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+    let mut z = 0f64;
+    for v in x.iter_mut() {
+        *v = (*v - mx).exp();
+        z += *v as f64;
+    }
+    let inv = (1.0 / z) as f32;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// The `k` best items by (score descending, position descending), as indices
+/// into `scores`, ascending. Positions must be distinct. NaN scores rank last.
+pub fn top_k(scores: &[f32], pos: &[u32], k: usize) -> Vec<usize> {
+    assert_eq!(
+        scores.len(),
+        pos.len(),
+        "top_k: scores and positions differ in length"
+    );
+    let key = |i: usize| {
+        if scores[i].is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            scores[i]
+        }
+    };
+    let mut idx: Vec<usize> = (0..scores.len()).collect();
+    idx.sort_by(|&a, &b| {
+        key(b)
+            .partial_cmp(&key(a))
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(pos[b].cmp(&pos[a]))
+    });
+    idx.truncate(k);
+    idx.sort_unstable();
+    idx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attend_biased_by_hand() {
+        // two entries, d = 1: logits 0 and ln 3 (via bias) -> weights 1/4, 3/4
+        let (q, k, v) = ([1.0f32], [0.0f32, 0.0], [4.0f32, 8.0]);
+        let bias = [0.0f32, 3f32.ln()];
+        let (mut w, mut o) = ([0f64; 2], [0f32; 1]);
+        let z = attend_biased(&q, &k, &v, &bias, 1.0, &mut w, &mut o);
+        assert!((w[0] / z - 0.25).abs() < 1e-7 && (w[1] / z - 0.75).abs() < 1e-7);
+        assert!((o[0] - 7.0).abs() < 1e-5, "{}", o[0]);
+    }
+
+    #[test]
+    fn top_k_breaks_ties_towards_later_positions() {
+        let s = [1.0, 3.0, 3.0, f32::NAN, 2.0];
+        let p = [0, 1, 2, 3, 4];
+        assert_eq!(top_k(&s, &p, 2), vec![1, 2]);
+        assert_eq!(top_k(&s, &p, 1), vec![2]);
+        assert_eq!(top_k(&s, &p, 4), vec![0, 1, 2, 4]);
+    }
+}

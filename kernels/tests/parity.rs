@@ -1,0 +1,545 @@
+//! Parity suite: every kernel, on every device present, against an
+//! independent straightforward implementation (f64 loops written here, or
+//! values known by construction). The CPU always runs; CUDA runs when the
+//! `cuda` feature is built and a GPU is usable, and otherwise each test prints
+//! why it did not run there.
+//!
+//! Tolerances: f32 sums of k terms differ from the f64 reference by at most
+//! about k·2⁻²⁴·Σ|terms| (any summation order); element-wise maps by a few
+//! ulps of f32 exp/sqrt; dequantisation and gathers are exact (the same f32
+//! operations in the same order; CUDA sources are compiled with --fmad=false).
+
+use std::sync::OnceLock;
+
+use half::f16;
+use kvreplay_kernels::cpu::{AttentionStats, BlockType, RopeParams, RopeStyle};
+use kvreplay_kernels::{Backend, DeviceRequest, Weight};
+
+fn cuda() -> &'static Result<Backend, String> {
+    static CUDA: OnceLock<Result<Backend, String>> = OnceLock::new();
+    CUDA.get_or_init(|| {
+        if cfg!(not(feature = "cuda")) {
+            return Err("this test binary was built without the `cuda` feature".into());
+        }
+        Backend::open(DeviceRequest::Cuda)
+            .map(|o| o.backend)
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// The backends to check: the CPU, plus CUDA when usable (else say why not).
+fn backends(test: &str) -> Vec<Backend> {
+    let mut v = vec![Backend::Cpu];
+    match cuda() {
+        Ok(b) => v.push(b.clone()),
+        Err(why) => eprintln!("{test}: CUDA not run: {why}"),
+    }
+    v
+}
+
+struct Rng(u64);
+impl Rng {
+    fn u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn f(&mut self) -> f32 {
+        (self.u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.u64() % n
+    }
+}
+
+fn close(got: &[f32], want: &[f64], tol: impl Fn(usize) -> f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let e = (*g as f64 - w).abs();
+        assert!(
+            e <= tol(i),
+            "{what}[{i}]: got {g}, want {w} (error {e:.3e} > {:.3e})",
+            tol(i)
+        );
+    }
+}
+
+// ---------------------------------------------------------------- dequant
+
+/// Random quantised blocks and the values they encode, computed from the
+/// chosen fields (the packing here is the inverse of the kernels' unpacking).
+fn quantised(ty: BlockType, blocks: usize, r: &mut Rng) -> (Vec<u8>, Vec<f32>) {
+    let h = |x: f32| f16::from_f32(x);
+    let mut bytes = Vec::new();
+    let mut vals = Vec::new();
+    for _ in 0..blocks {
+        match ty {
+            BlockType::F32 => {
+                let x = r.f() * 100.0;
+                bytes.extend_from_slice(&x.to_le_bytes());
+                vals.push(x);
+            }
+            BlockType::F16 => {
+                let x = h(r.f() * 100.0);
+                bytes.extend_from_slice(&x.to_le_bytes());
+                vals.push(x.to_f32());
+            }
+            BlockType::BF16 => {
+                let x = half::bf16::from_f32(r.f() * 100.0);
+                bytes.extend_from_slice(&x.to_le_bytes());
+                vals.push(x.to_f32());
+            }
+            BlockType::Q8_0 => {
+                let d = h(r.f() * 0.1);
+                bytes.extend_from_slice(&d.to_le_bytes());
+                for _ in 0..32 {
+                    let q = r.below(256) as u8 as i8;
+                    bytes.push(q as u8);
+                    vals.push(d.to_f32() * q as f32);
+                }
+            }
+            BlockType::Q4_0 | BlockType::Q4_1 => {
+                let d = h(r.f() * 0.1);
+                let m = h(r.f());
+                bytes.extend_from_slice(&d.to_le_bytes());
+                if ty == BlockType::Q4_1 {
+                    bytes.extend_from_slice(&m.to_le_bytes());
+                }
+                let q: Vec<u8> = (0..32).map(|_| r.below(16) as u8).collect();
+                bytes.extend((0..16).map(|i| q[i] | (q[i + 16] << 4)));
+                for &x in &q {
+                    vals.push(if ty == BlockType::Q4_0 {
+                        d.to_f32() * (x as i32 - 8) as f32
+                    } else {
+                        d.to_f32() * x as f32 + m.to_f32()
+                    });
+                }
+            }
+            BlockType::Q4_K | BlockType::Q5_K => {
+                let (d, dmin) = (h(r.f() * 0.01), h(r.f() * 0.01));
+                let sc: Vec<u8> = (0..8).map(|_| r.below(64) as u8).collect();
+                let mn: Vec<u8> = (0..8).map(|_| r.below(64) as u8).collect();
+                // pack 8 (scale, min) 6-bit pairs into 12 bytes
+                let mut packed = [0u8; 12];
+                for j in 0..4 {
+                    packed[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+                    packed[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
+                    packed[j + 8] = (sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4);
+                }
+                let bits = if ty == BlockType::Q5_K { 32 } else { 16 };
+                let q: Vec<u8> = (0..256).map(|_| r.below(bits) as u8).collect();
+                bytes.extend_from_slice(&d.to_le_bytes());
+                bytes.extend_from_slice(&dmin.to_le_bytes());
+                bytes.extend_from_slice(&packed);
+                if ty == BlockType::Q5_K {
+                    // bit 2j of qh[l]: element 64j + l; bit 2j+1: element 64j + 32 + l
+                    bytes.extend((0..32).map(|l| {
+                        (0..8).fold(0u8, |acc, s| acc | (((q[32 * s + l] >> 4) & 1) << s))
+                    }));
+                }
+                bytes.extend((0..4).flat_map(|j| {
+                    let q = &q;
+                    (0..32).map(move |l| (q[64 * j + l] & 15) | ((q[64 * j + 32 + l] & 15) << 4))
+                }));
+                for (e, &x) in q.iter().enumerate() {
+                    let s = e / 32;
+                    vals.push(d.to_f32() * sc[s] as f32 * x as f32 - dmin.to_f32() * mn[s] as f32);
+                }
+            }
+            BlockType::Q6_K => {
+                let d = h(r.f() * 0.01);
+                let sc: Vec<i8> = (0..16).map(|_| r.below(256) as u8 as i8).collect();
+                let q: Vec<u8> = (0..256).map(|_| r.below(64) as u8).collect();
+                let (mut ql, mut qh) = ([0u8; 128], [0u8; 64]);
+                for n in 0..2 {
+                    for l in 0..32 {
+                        let e = |k: usize| q[128 * n + 32 * k + l];
+                        ql[64 * n + l] = (e(0) & 15) | ((e(2) & 15) << 4);
+                        ql[64 * n + l + 32] = (e(1) & 15) | ((e(3) & 15) << 4);
+                        qh[32 * n + l] = (e(0) >> 4)
+                            | ((e(1) >> 4) << 2)
+                            | ((e(2) >> 4) << 4)
+                            | ((e(3) >> 4) << 6);
+                    }
+                }
+                bytes.extend_from_slice(&ql);
+                bytes.extend_from_slice(&qh);
+                bytes.extend(sc.iter().map(|&s| s as u8));
+                bytes.extend_from_slice(&d.to_le_bytes());
+                for (e, &x) in q.iter().enumerate() {
+                    // element e: half e/128, quarter (e%128)/32, l = e%32; scale 8·half + 2·quarter + l/16
+                    let s = 8 * (e / 128) + 2 * ((e % 128) / 32) + (e % 32) / 16;
+                    vals.push(d.to_f32() * sc[s] as f32 * (x as i32 - 32) as f32);
+                }
+            }
+        }
+    }
+    (bytes, vals)
+}
+
+#[test]
+fn parity_dequantize_every_block_type() {
+    use BlockType::*;
+    for b in backends("parity_dequantize_every_block_type") {
+        for ty in [F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K] {
+            let mut r = Rng(ty.block_bytes() as u64);
+            let blocks = 1200 / ty.block_elems() + 3; // several GPU thread blocks
+            let (bytes, want) = quantised(ty, blocks, &mut r);
+            let mut got = vec![f32::NAN; want.len()];
+            b.dequantize(ty, &bytes, &mut got).unwrap();
+            // exact: the same f32 operations in the same order
+            assert_eq!(got, want, "{ty:?} on {}", b.describe());
+        }
+    }
+}
+
+// ---------------------------------------------------------------- layer ops
+
+#[test]
+fn parity_embedding() {
+    for b in backends("parity_embedding") {
+        let mut r = Rng(1);
+        let (vocab, dim) = (50, 24);
+        let table = Weight::new(r.vec(vocab * dim));
+        let ids = [3u32, 0, 49, 3, 17];
+        let mut out = vec![0f32; ids.len() * dim];
+        b.embedding(&table, dim, &ids, &mut out).unwrap();
+        for (row, &id) in out.chunks(dim).zip(&ids) {
+            assert_eq!(row, &table[id as usize * dim..(id as usize + 1) * dim]);
+        }
+        let e = b
+            .embedding(&table, dim, &[50], &mut out[..dim])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("outside the table"), "{e}");
+    }
+}
+
+#[test]
+fn parity_linear() {
+    for b in backends("parity_linear") {
+        let mut r = Rng(2);
+        for (m, k, n) in [(1, 96, 40), (70, 96, 300), (5, 7, 3)] {
+            let x = r.vec(m * k);
+            let w = Weight::new(r.vec(n * k));
+            let mut out = vec![0f32; m * n];
+            b.linear(&x, &w, &mut out, m, k, n).unwrap();
+            let mut want = vec![0f64; m * n];
+            let mut mag = vec![0f64; m * n];
+            for i in 0..m {
+                for j in 0..n {
+                    for t in 0..k {
+                        let p = x[i * k + t] as f64 * w[j * k + t] as f64;
+                        want[i * n + j] += p;
+                        mag[i * n + j] += p.abs();
+                    }
+                }
+            }
+            close(
+                &out,
+                &want,
+                |i| k as f64 * 2f64.powi(-24) * mag[i] + 1e-30,
+                "linear",
+            );
+        }
+    }
+}
+
+#[test]
+fn parity_rms_norm() {
+    for b in backends("parity_rms_norm") {
+        let mut r = Rng(3);
+        let (rows, dim) = (6, 300);
+        let x0: Vec<f32> = r.vec(rows * dim).iter().map(|v| v * 5.0).collect();
+        let w = r.vec(dim);
+        let mut x = x0.clone();
+        b.rms_norm(&mut x, &w, 1e-5).unwrap();
+        let mut want = vec![0f64; rows * dim];
+        for i in 0..rows {
+            let row = &x0[i * dim..(i + 1) * dim];
+            let ms = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / dim as f64;
+            for j in 0..dim {
+                want[i * dim + j] = row[j] as f64 / (ms + 1e-5).sqrt() * w[j] as f64;
+            }
+        }
+        // three f32 roundings of the product
+        close(
+            &x,
+            &want,
+            |i| 4.0 * 2f64.powi(-24) * want[i].abs() + 1e-30,
+            "rms_norm",
+        );
+    }
+}
+
+#[test]
+fn parity_silu_mul() {
+    for b in backends("parity_silu_mul") {
+        let mut r = Rng(4);
+        let g0: Vec<f32> = r.vec(1000).iter().map(|v| v * 12.0).collect();
+        let up = r.vec(1000);
+        let mut g = g0.clone();
+        b.silu_mul(&mut g, &up).unwrap();
+        let want: Vec<f64> = g0
+            .iter()
+            .zip(&up)
+            .map(|(g, u)| *g as f64 / (1.0 + (-*g as f64).exp()) * *u as f64)
+            .collect();
+        // exp within 2 ulps (CUDA expf) plus four roundings
+        close(
+            &g,
+            &want,
+            |i| 8.0 * 2f64.powi(-24) * want[i].abs() + 1e-37,
+            "silu_mul",
+        );
+    }
+}
+
+#[test]
+fn parity_rope_both_styles() {
+    for b in backends("parity_rope_both_styles") {
+        for style in [RopeStyle::Neox, RopeStyle::Interleaved] {
+            let mut r = Rng(5);
+            let p = RopeParams {
+                theta: 10000.0,
+                style,
+                rotated_dims: 16,
+                linear_factor: 1.0,
+            };
+            let (rows, heads, hd, pos0) = (5, 3, 20, 997);
+            let x0 = r.vec(rows * heads * hd);
+            let mut x = x0.clone();
+            b.rope(&mut x, heads, hd, pos0, &p, 1.0).unwrap();
+            let mut want: Vec<f64> = x0.iter().map(|v| *v as f64).collect();
+            for row in 0..rows {
+                for h in 0..heads {
+                    let base = (row * heads + h) * hd;
+                    for i in 0..8 {
+                        let a = (pos0 + row) as f64 * 10000f64.powf(-(2.0 * i as f64) / 16.0);
+                        let (ia, ib) = if style == RopeStyle::Neox {
+                            (i, i + 8)
+                        } else {
+                            (2 * i, 2 * i + 1)
+                        };
+                        let (x0a, x0b) = (x0[base + ia] as f64, x0[base + ib] as f64);
+                        want[base + ia] = x0a * a.cos() - x0b * a.sin();
+                        want[base + ib] = x0b * a.cos() + x0a * a.sin();
+                    }
+                }
+            }
+            // cos/sin rounded to f32, then two products and a sum in f32
+            close(
+                &x,
+                &want,
+                |_| 4.0 * 2f64.powi(-24) * 2.0,
+                &format!("rope {style:?}"),
+            );
+            b.rope(&mut x, heads, hd, pos0, &p, -1.0).unwrap();
+            close(
+                &x,
+                &x0.iter().map(|v| *v as f64).collect::<Vec<_>>(),
+                |_| 1e-6,
+                "rope undo",
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------- attention
+
+/// softmax(scale·q·kᵀ + mask) in f64 for query i at position pos0 + i.
+fn ref_probs(
+    q: &[f32],
+    k: &[f32],
+    d: usize,
+    pos0: usize,
+    scale: f64,
+    gain: &[f64],
+) -> Vec<Vec<f64>> {
+    let c = q.len() / d;
+    (0..c)
+        .map(|i| {
+            let valid = pos0 + i + 1;
+            let l: Vec<f64> = (0..valid)
+                .map(|j| {
+                    (0..d)
+                        .map(|t| q[i * d + t] as f64 * k[j * d + t] as f64)
+                        .sum::<f64>()
+                        * scale
+                        * gain[i]
+                })
+                .collect();
+            let mx = l.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = l.iter().map(|x| (x - mx).exp()).sum();
+            l.iter().map(|x| (x - mx).exp() / z).collect()
+        })
+        .collect()
+}
+
+#[test]
+fn parity_causal_attention_with_column_sums_and_probs() {
+    for b in backends("parity_causal_attention_with_column_sums_and_probs") {
+        let mut r = Rng(6);
+        let (d, pos0, c) = (32, 300, 20);
+        let n = pos0 + c;
+        let (q, k, v) = (r.vec(c * d), r.vec(n * d), r.vec(n * d));
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut out = vec![0f32; c * d];
+        let mut colsum = vec![0.5f32; 310];
+        let mut probs = vec![0f32; c * n];
+        b.causal_attention_head(
+            &q,
+            &k,
+            &v,
+            d,
+            pos0,
+            scale,
+            &mut out,
+            AttentionStats {
+                colsum: Some(&mut colsum),
+                probs: Some(&mut probs),
+            },
+        )
+        .unwrap();
+        let p = ref_probs(&q, &k, d, pos0, scale as f64, &vec![1.0; c]);
+        let mut want_out = vec![0f64; c * d];
+        let mut want_p = vec![0f64; c * n];
+        let mut want_cs = vec![0.5f64; 310];
+        for i in 0..c {
+            for (j, pj) in p[i].iter().enumerate() {
+                want_p[i * n + j] = *pj;
+                if j < 310 {
+                    want_cs[j] += pj;
+                }
+                for t in 0..d {
+                    want_out[i * d + t] += pj * v[j * d + t] as f64;
+                }
+            }
+        }
+        // logits: d-term dot products (|l| < 6) in f32; a logit error e moves a
+        // probability by about e·p; outputs sum n terms of |p·v| <= p
+        close(&probs, &want_p, |i| 1e-5 * want_p[i] + 1e-9, "probs");
+        close(&out, &want_out, |_| 2e-6, "out");
+        close(&colsum, &want_cs, |_| 2e-6 * c as f64, "colsum");
+    }
+}
+
+#[test]
+fn parity_attend_biased() {
+    for b in backends("parity_attend_biased") {
+        let mut r = Rng(7);
+        let (nq, n, d) = (3, 500, 64);
+        let (q, keys, vals) = (r.vec(nq * d), r.vec(n * d), r.vec(n * d));
+        let bias: Vec<f32> = (0..n)
+            .map(|e| if e % 7 == 0 { (3.0f32).ln() } else { 0.0 })
+            .collect();
+        let scale = 0.125f32;
+        let (mut w, mut z, mut out) = (vec![0f64; nq * n], vec![0f64; nq], vec![0f32; nq * d]);
+        b.attend_biased(&q, &keys, &vals, &bias, scale, &mut w, &mut z, &mut out)
+            .unwrap();
+        for i in 0..nq {
+            let l: Vec<f64> = (0..n)
+                .map(|e| {
+                    (0..d)
+                        .map(|t| q[i * d + t] as f64 * keys[e * d + t] as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                        + bias[e] as f64
+                })
+                .collect();
+            let mx = l.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let wr: Vec<f64> = l.iter().map(|x| (x - mx).exp()).collect();
+            let zr: f64 = wr.iter().sum();
+            for e in 0..n {
+                // |logit| < 8: f32 dot error ~ d·2⁻²⁴·8 moves a weight relatively by as much
+                assert!(
+                    (w[i * n + e] / z[i] - wr[e] / zr).abs() <= 1e-5 * wr[e] / zr,
+                    "w[{i},{e}]"
+                );
+            }
+            let want: Vec<f64> = (0..d)
+                .map(|t| (0..n).map(|e| wr[e] / zr * vals[e * d + t] as f64).sum())
+                .collect();
+            close(&out[i * d..(i + 1) * d], &want, |_| 2e-6, "attend out");
+        }
+    }
+}
+
+#[test]
+fn parity_attention_rows_with_gains() {
+    for b in backends("parity_attention_rows_with_gains") {
+        let mut r = Rng(8);
+        let (d, n) = (16, 400);
+        let lens = [1usize, 37, 400, 256];
+        let gains = [1.0f32, 0.5, 2.0, 1.0];
+        let (q, keys) = (r.vec(lens.len() * d), r.vec(n * d));
+        let mut out = vec![f32::NAN; lens.len() * n];
+        b.attention_rows(&q, &keys, d, &lens, &gains, 0.25, &mut out)
+            .unwrap();
+        for (i, &len) in lens.iter().enumerate() {
+            // row i: a query "at position len - 1" over keys 0..len
+            let p = ref_probs(
+                &q[i * d..(i + 1) * d],
+                &keys,
+                d,
+                len - 1,
+                0.25,
+                &[gains[i] as f64],
+            );
+            let mut want = vec![0f64; n];
+            want[..len].copy_from_slice(&p[0]);
+            close(
+                &out[i * n..(i + 1) * n],
+                &want,
+                |j| 1e-5 * want[j] + 1e-9,
+                "rows",
+            );
+        }
+    }
+}
+
+#[test]
+fn parity_top_k() {
+    for b in backends("parity_top_k") {
+        let mut r = Rng(9);
+        for n in [1usize, 10, 700] {
+            // few distinct values, so ties are common; some NaNs
+            let s: Vec<f32> = (0..n)
+                .map(|i| {
+                    if i % 13 == 5 {
+                        f32::NAN
+                    } else {
+                        r.below(9) as f32
+                    }
+                })
+                .collect();
+            let pos: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % 10007).collect();
+            for k in [0, 1, n / 3, n] {
+                let got = b.top_k(&s, &pos, k).unwrap();
+                // reference: an item is kept iff fewer than k items beat it
+                let key = |i: usize| {
+                    if s[i].is_nan() {
+                        f32::NEG_INFINITY
+                    } else {
+                        s[i]
+                    }
+                };
+                let want: Vec<usize> = (0..n)
+                    .filter(|&a| {
+                        (0..n)
+                            .filter(|&o| key(o) > key(a) || (key(o) == key(a) && pos[o] > pos[a]))
+                            .count()
+                            < k
+                    })
+                    .collect();
+                assert_eq!(got, want, "n={n} k={k} on {}", b.describe());
+            }
+        }
+    }
+}
