@@ -149,8 +149,15 @@ pub fn load_layer(trace: &Trace, l: usize) -> LayerData {
 pub fn load_layer_shared(trace: &Trace, l: usize, all_colsum: &Arc<Vec<Vec<f32>>>) -> LayerData {
     let m = &trace.manifest;
     let view = trace.layer(l);
+    // (n, T, d): each head's rows converted straight into place
     fn cat<'a>(n: usize, get: impl Fn(usize) -> kvreplay_traces::HeadView<'a>) -> Vec<f32> {
-        (0..n).flat_map(|h| get(h).to_f32()).collect()
+        let rows = get(0).rows;
+        let cols = get(0).cols;
+        let mut out = vec![0f32; n * rows * cols];
+        for (h, o) in out.chunks_exact_mut(rows * cols).enumerate() {
+            get(h).rows_into(0, rows, o);
+        }
+        out
     }
     LayerData {
         layer: l,
@@ -167,15 +174,20 @@ pub fn load_layer_shared(trace: &Trace, l: usize, all_colsum: &Arc<Vec<Vec<f32>>
         colsum: all_colsum[l].clone(),
         all_colsum: Some(all_colsum.clone()),
         rope: Some(rope_params(&m.model.rope)),
-        trace_id: Some(
-            m.files
-                .iter()
-                .map(|f| &f.sha256[..16.min(f.sha256.len())])
-                .collect::<String>()
-                .into(),
-        ),
+        trace_id: Some(trace_identity(trace)),
         backend: Backend::Cpu,
     }
+}
+
+/// What identifies a trace's contents: its layer files' checksums.
+pub fn trace_identity(trace: &Trace) -> Arc<str> {
+    trace
+        .manifest
+        .files
+        .iter()
+        .map(|f| &f.sha256[..16.min(f.sha256.len())])
+        .collect::<String>()
+        .into()
 }
 
 /// Attention of query `q` over `cache`: the output (d,), the unnormalised
@@ -283,6 +295,14 @@ pub fn replay_layer(
 /// policies; adjacent pairs for cross-layer ones such as MiniCache).
 pub fn replay_group(
     datas: &[LayerData],
+    policy: &dyn Policy,
+    b: usize,
+) -> Result<Vec<LayerResult>, ReplayError> {
+    replay_group_refs(&datas.iter().collect::<Vec<_>>(), policy, b)
+}
+
+fn replay_group_refs(
+    datas: &[&LayerData],
     policy: &dyn Policy,
     b: usize,
 ) -> Result<Vec<LayerResult>, ReplayError> {
@@ -437,22 +457,29 @@ pub fn replay_on(
     }
     let b = budget.resolve(m.prompt_len())?;
     let colsums = prompt_colsums(trace);
+    let memo_id = format!("{}@{}", trace_identity(trace), backend.device().name());
     let groups = policy.layer_groups(trace.n_layers(), b, m.prompt_len());
     let results = groups
         .par_iter()
         .map(|group| {
-            let datas: Vec<LayerData> = group
+            // The f32 copy of a layer is converted once per trace and device
+            // and shared by every policy and budget of a sweep.
+            let datas: Vec<Arc<LayerData>> = group
                 .iter()
                 .map(|&l| {
-                    let mut d = load_layer_shared(trace, l, &colsums);
-                    d.set_backend(backend);
-                    d
+                    crate::memo::get_or(&memo_id, l, "layer_data", || {
+                        let mut d = load_layer_shared(trace, l, &colsums);
+                        d.set_backend(backend);
+                        debug_assert_eq!(d.trace_id.as_deref(), Some(&*memo_id));
+                        d
+                    })
                 })
                 .collect();
+            let refs: Vec<&LayerData> = datas.iter().map(|d| d.as_ref()).collect();
             Ok(group
                 .iter()
                 .copied()
-                .zip(replay_group(&datas, policy, b)?)
+                .zip(replay_group_refs(&refs, policy, b)?)
                 .collect::<Vec<_>>())
         })
         .collect::<Result<Vec<_>, ReplayError>>()?;

@@ -1,9 +1,28 @@
 //! Replay-side kernels: attention of decode queries over a (compressed) cache
 //! with per-entry logit bias, causal scoring rows, and top-k selection.
 
+/// Run `body` compiled for AVX2 when the CPU has it (same results: the
+/// vectorised loops keep their lane order and no multiply-add is fused).
+macro_rules! with_avx2 {
+    ($generic:ident ( $($arg:expr),* )) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx2")]
+            unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            if std::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU supports AVX2 (checked just above).
+                return unsafe { avx2(#[inline(always)] || $generic($($arg),*)) };
+            }
+        }
+        $generic($($arg),*)
+    }};
+}
+
 /// Dot product with eight fixed accumulators (the summation order is fixed,
 /// so results never depend on the machine's thread count). Vectorises.
-#[inline]
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0f32; 8];
@@ -22,6 +41,32 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// [`dot`] of `q` with four rows at once: the same arithmetic per row (so the
+/// same results), with four independent accumulators to hide add latency.
+#[inline(always)]
+fn dot4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+    let d = q.len();
+    let body = d - d % 8;
+    let mut acc = [[0f32; 8]; 4];
+    let mut i = 0;
+    while i < body {
+        let x = &q[i..i + 8];
+        for (a, kr) in acc.iter_mut().zip(&k) {
+            let y = &kr[i..i + 8];
+            for l in 0..8 {
+                a[l] += x[l] * y[l];
+            }
+        }
+        i += 8;
+    }
+    let mut out = [0f32; 4];
+    for ((o, a), kr) in out.iter_mut().zip(&acc).zip(&k) {
+        let tail: f32 = q[body..].iter().zip(&kr[body..d]).map(|(x, y)| x * y).sum();
+        *o = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])) + tail;
+    }
+    out
+}
+
 /// Attention of one query over a cache of `n` entries, each with a logit bias.
 ///
 /// - `q`: (d,); `keys`, `values`: (n, d); `bias`: (n,)
@@ -29,8 +74,20 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// - `out`: (d,) receives Σ_e (w_e / z) v_e, accumulated in f32
 ///
 /// Returns z = Σ_e w_e (f64).
-#[allow(clippy::too_many_arguments)]
 pub fn attend_biased(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    bias: &[f32],
+    scale: f32,
+    w: &mut [f64],
+    out: &mut [f32],
+) -> f64 {
+    with_avx2!(attend_biased_generic(q, keys, values, bias, scale, w, out))
+}
+
+#[inline(always)]
+fn attend_biased_generic(
     q: &[f32],
     keys: &[f32],
     values: &[f32],
@@ -46,9 +103,19 @@ pub fn attend_biased(
         "attend_biased: shapes do not match (n={n}, d={d})"
     );
     let mut mx = f32::NEG_INFINITY;
-    for (e, we) in w.iter_mut().enumerate() {
-        let l = dot(q, &keys[e * d..(e + 1) * d]) * scale + bias[e];
-        *we = l as f64;
+    let row = |e: usize| &keys[e * d..(e + 1) * d];
+    let quads = n - n % 4;
+    for e in (0..quads).step_by(4) {
+        let s = dot4(q, [row(e), row(e + 1), row(e + 2), row(e + 3)]);
+        for j in 0..4 {
+            let l = s[j] * scale + bias[e + j];
+            w[e + j] = l as f64;
+            mx = mx.max(l);
+        }
+    }
+    for e in quads..n {
+        let l = dot(q, row(e)) * scale + bias[e];
+        w[e] = l as f64;
         mx = mx.max(l);
     }
     let mut z = 0f64;
@@ -72,6 +139,19 @@ pub fn attend_biased(
 ///
 /// - `q`: (r, d); `keys`: (n, d); `lens`, `gains`: (r,); `out`: (r, n)
 pub fn attention_rows(
+    q: &[f32],
+    keys: &[f32],
+    d: usize,
+    lens: &[usize],
+    gains: &[f32],
+    scale: f32,
+    out: &mut [f32],
+) {
+    with_avx2!(attention_rows_generic(q, keys, d, lens, gains, scale, out))
+}
+
+#[inline(always)]
+fn attention_rows_generic(
     q: &[f32],
     keys: &[f32],
     d: usize,
@@ -154,6 +234,28 @@ mod tests {
         let z = attend_biased(&q, &k, &v, &bias, 1.0, &mut w, &mut o);
         assert!((w[0] / z - 0.25).abs() < 1e-7 && (w[1] / z - 0.75).abs() < 1e-7);
         assert!((o[0] - 7.0).abs() < 1e-5, "{}", o[0]);
+    }
+
+    #[test]
+    fn dot4_equals_dot_bit_for_bit() {
+        for d in [1usize, 7, 8, 64, 67] {
+            let q: Vec<f32> = (0..d).map(|i| ((i * 37 % 11) as f32 - 5.0) / 3.0).collect();
+            let rows: Vec<Vec<f32>> = (0..4)
+                .map(|r| {
+                    (0..d)
+                        .map(|i| ((i * 13 + r * 7) % 17) as f32 / 7.0 - 1.1)
+                        .collect()
+                })
+                .collect();
+            let got = dot4(&q, [&rows[0], &rows[1], &rows[2], &rows[3]]);
+            for r in 0..4 {
+                assert_eq!(
+                    got[r].to_bits(),
+                    dot(&q, &rows[r]).to_bits(),
+                    "d={d} row {r}"
+                );
+            }
+        }
     }
 
     #[test]
