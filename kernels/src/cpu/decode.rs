@@ -133,6 +133,40 @@ fn attend_biased_generic(
     z
 }
 
+/// All pairwise [`dot`] products of the rows of `a` (na, d) and `b` (nb, d):
+/// `out[i * nb + j] = dot(a_i, b_j)`, bit-identical to calling `dot`.
+pub fn dot_rows(a: &[f32], b: &[f32], d: usize, out: &mut [f32]) {
+    with_avx2!(dot_rows_generic(a, b, d, out))
+}
+
+#[inline(always)]
+fn dot_rows_generic(a: &[f32], b: &[f32], d: usize, out: &mut [f32]) {
+    let (na, nb) = (a.len() / d.max(1), b.len() / d.max(1));
+    assert!(
+        a.len() == na * d && b.len() == nb * d && out.len() == na * nb,
+        "dot_rows: shapes do not match (na={na}, nb={nb}, d={d})"
+    );
+    fn row(m: &[f32], i: usize, d: usize) -> &[f32] {
+        &m[i * d..(i + 1) * d]
+    }
+    let quads = nb - nb % 4;
+    for (i, o) in out.chunks_exact_mut(nb.max(1)).enumerate().take(na) {
+        let x = row(a, i, d);
+        for j in (0..quads).step_by(4) {
+            let k = [
+                row(b, j, d),
+                row(b, j + 1, d),
+                row(b, j + 2, d),
+                row(b, j + 3, d),
+            ];
+            o[j..j + 4].copy_from_slice(&dot4(x, k));
+        }
+        for j in quads..nb {
+            o[j] = dot(x, row(b, j, d));
+        }
+    }
+}
+
 /// Causal attention rows for scoring: row r is query `q[r]` over keys
 /// `0 .. lens[r]`, logits scale·gain[r]·q·k, softmax with an f64 normaliser;
 /// entries at and beyond `lens[r]` are zero.
@@ -234,6 +268,25 @@ mod tests {
         let z = attend_biased(&q, &k, &v, &bias, 1.0, &mut w, &mut o);
         assert!((w[0] / z - 0.25).abs() < 1e-7 && (w[1] / z - 0.75).abs() < 1e-7);
         assert!((o[0] - 7.0).abs() < 1e-5, "{}", o[0]);
+    }
+
+    #[test]
+    fn dot_rows_equals_dot_bit_for_bit() {
+        let d = 19;
+        let a: Vec<f32> = (0..3 * d)
+            .map(|i| ((i * 31 % 23) as f32 - 11.0) / 7.0)
+            .collect();
+        let b: Vec<f32> = (0..6 * d)
+            .map(|i| ((i * 17 % 29) as f32 - 14.0) / 9.0)
+            .collect();
+        let mut out = vec![0f32; 18];
+        dot_rows(&a, &b, d, &mut out);
+        for i in 0..3 {
+            for j in 0..6 {
+                let want = dot(&a[i * d..(i + 1) * d], &b[j * d..(j + 1) * d]);
+                assert_eq!(out[i * 6 + j].to_bits(), want.to_bits(), "({i}, {j})");
+            }
+        }
     }
 
     #[test]

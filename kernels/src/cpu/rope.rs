@@ -61,6 +61,46 @@ pub fn rope_table(rows: usize, pos0: usize, p: &RopeParams, sign: f64) -> Vec<f3
     t
 }
 
+/// (cos, sin) rows per position, computed on first use and kept: for code
+/// that rotates single vectors at scattered positions many times.
+pub struct RopeCache {
+    p: RopeParams,
+    rows: std::sync::Mutex<Vec<f32>>,
+}
+
+impl RopeCache {
+    pub fn new(p: RopeParams) -> RopeCache {
+        RopeCache {
+            p,
+            rows: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn params(&self) -> &RopeParams {
+        &self.p
+    }
+
+    /// Rotate one head vector `x` (head_dim,) at `pos` by `sign` (1.0
+    /// applies, -1.0 undoes); the same result as [`apply_rope`] /
+    /// [`unapply_rope`] on that vector (cos is even and sin odd in libm).
+    pub fn rotate(&self, x: &mut [f32], pos: usize, sign: f64) {
+        let w = self.p.rotated_dims; // (half, 2) per position
+        let mut row = {
+            let mut rows = self.rows.lock().expect("rope cache lock");
+            let have = rows.len() / w.max(1);
+            if pos >= have {
+                let more = rope_table(pos + 1 - have, have, &self.p, 1.0);
+                rows.extend_from_slice(&more);
+            }
+            rows[pos * w..(pos + 1) * w].to_vec()
+        };
+        if sign < 0.0 {
+            row.iter_mut().skip(1).step_by(2).for_each(|s| *s = -*s);
+        }
+        rotate_with_table(x, 1, x.len(), self.p.style, self.p.rotated_dims, &row);
+    }
+}
+
 /// Rotate `x` (rows, n_heads, head_dim) in place by a [`rope_table`].
 pub fn rotate_with_table(
     x: &mut [f32],
@@ -115,6 +155,31 @@ mod tests {
             style,
             rotated_dims: 4,
             linear_factor: 1.0,
+        }
+    }
+
+    #[test]
+    fn rope_cache_equals_direct_rotation_bit_for_bit() {
+        let p = RopeParams {
+            theta: 10000.0,
+            style: RopeStyle::Neox,
+            rotated_dims: 8,
+            linear_factor: 1.0,
+        };
+        let cache = RopeCache::new(p);
+        for pos in [5usize, 0, 3000, 17] {
+            for sign in [1.0, -1.0] {
+                let x0: Vec<f32> = (0..8).map(|i| (i as f32 - 3.3) * 0.7).collect();
+                let (mut a, mut b) = (x0.clone(), x0.clone());
+                cache.rotate(&mut a, pos, sign);
+                if sign > 0.0 {
+                    apply_rope(&mut b, 1, 8, pos, &p);
+                } else {
+                    unapply_rope(&mut b, 1, 8, pos, &p);
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "pos {pos} sign {sign}");
+            }
         }
     }
 

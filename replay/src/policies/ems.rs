@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use kvreplay_kernels::cpu::{apply_rope, unapply_rope, RopeParams};
+use kvreplay_kernels::cpu::RopeCache;
 
 use super::PolicyInfo;
 use crate::cache::{HeadCache, F16_BITS};
@@ -134,12 +134,6 @@ fn norm(x: &[f32]) -> f64 {
     x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt()
 }
 
-/// max(cos, 0)
-fn cos_plus(a: &[f32], b: &[f32]) -> f64 {
-    let ab: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-    (ab / (norm(a) * norm(b) + EPS)).max(0.0)
-}
-
 fn unit(x: &[f64]) -> Vec<f32> {
     let n = x.iter().map(|v| v * v).sum::<f64>().sqrt();
     x.iter().map(|v| (v / (n + EPS)) as f32).collect()
@@ -153,6 +147,39 @@ struct Entry {
     anchor: usize,
     /// The zero class (zero_class=literal_zero): zero key and value, nothing stored.
     zero: bool,
+    /// Cached for the decode-time redundancy: the similarity vector of `dir`
+    /// and the norms of it and of `val` (kept in step by `refresh`).
+    sim: Vec<f32>,
+    sim_norm: f64,
+    val_norm: f64,
+}
+
+impl Entry {
+    fn new(dir: Vec<f32>, val: Vec<f32>, window: bool, anchor: usize, zero: bool) -> Entry {
+        Entry {
+            dir,
+            val,
+            window,
+            anchor,
+            zero,
+            sim: Vec::new(),
+            sim_norm: 0.0,
+            val_norm: 0.0,
+        }
+    }
+
+    /// Recompute the cached similarity vector and norms after `dir` or `val` changed.
+    fn refresh(&mut self, cfg: &Ems, rope: &Option<RopeCache>) {
+        self.sim = cfg.sim_vec(&self.dir, self.anchor, rope);
+        self.sim_norm = norm(&self.sim);
+        self.val_norm = norm(&self.val);
+    }
+}
+
+/// max(cos, 0) from cached norms (the same value as `cos_plus`).
+fn cos_plus_normed(a: &[f32], na: f64, b: &[f32], nb: f64) -> f64 {
+    let ab: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    (ab / (na * nb + EPS)).max(0.0)
 }
 
 #[derive(Clone, Debug)]
@@ -181,48 +208,30 @@ struct Shape {
     n_tbm: usize,
     s_max: usize,
     l_win: usize,
-    rope: Option<RopeParams>,
+    rope: Option<RopeCache>,
 }
 
 impl Ems {
     /// Key as merged: raw (un-rotated at its position) or as captured.
-    fn key_space(&self, k: &[f32], pos: usize, rope: &Option<RopeParams>) -> Vec<f32> {
+    fn key_space(&self, k: &[f32], pos: usize, rope: &Option<RopeCache>) -> Vec<f32> {
         let mut x = k.to_vec();
         if self.raw_space {
-            let d = x.len();
-            unapply_rope(
-                &mut x,
-                1,
-                d,
-                pos,
-                rope.as_ref().expect("checked at prefill"),
-            );
+            rope.as_ref()
+                .expect("checked at prefill")
+                .rotate(&mut x, pos, -1.0);
         }
         x
     }
 
     /// Similarity vector of an entry's direction (positional with sim_pos in raw space).
-    fn sim_vec(&self, dir: &[f32], anchor: usize, rope: &Option<RopeParams>) -> Vec<f32> {
+    fn sim_vec(&self, dir: &[f32], anchor: usize, rope: &Option<RopeCache>) -> Vec<f32> {
         let mut x = dir.to_vec();
         if self.sim_pos && self.raw_space {
-            let d = x.len();
-            apply_rope(
-                &mut x,
-                1,
-                d,
-                anchor,
-                rope.as_ref().expect("checked at prefill"),
-            );
+            rope.as_ref()
+                .expect("checked at prefill")
+                .rotate(&mut x, anchor, 1.0);
         }
         x
-    }
-
-    fn redundancy(&self, ka: &[f32], va: &[f32], kb: &[f32], vb: &[f32]) -> f64 {
-        match self.similarity {
-            1 => cos_plus(ka, kb),
-            2 => cos_plus(va, vb),
-            _ => cos_plus(ka, kb) * cos_plus(va, vb),
-        }
     }
 
     fn combine(&self, alpha: f64, glo: f64, loc: f64) -> f64 {
@@ -264,13 +273,9 @@ impl Ems {
                          anchor: usize,
                          members: &[usize]| {
             let id = st.entries.len();
-            st.entries.push(Some(Entry {
-                dir,
-                val,
-                window,
-                anchor,
-                zero: false,
-            }));
+            let mut e = Entry::new(dir, val, window, anchor, false);
+            e.refresh(self, &sh.rope);
+            st.entries.push(Some(e));
             for &j in members {
                 st.slots.push(Slot {
                     pos: j,
@@ -329,9 +334,24 @@ impl Ems {
                 })
                 .collect();
             let vsim: Vec<Vec<f32>> = (0..n).map(|j| unit32(ctx.value(g, j))).collect();
-            let redundancy = |i: usize, c: usize| -> f64 {
-                let kc = || (crate::policy::dot(&ksim[i], &ksim[c]) as f64).max(0.0);
-                let vc = || (crate::policy::dot(&vsim[i], &vsim[c]) as f64).max(0.0);
+            // cos⁺ of every (to-be-merged, centre) pair at once: (|tbm|, |imp|)
+            let nc = imp.len();
+            let pairs = |v: &[Vec<f32>], used: bool| -> Vec<f32> {
+                if !used || self.tau >= 1.0 {
+                    return Vec::new();
+                }
+                let rows = |idx: &[usize]| -> Vec<f32> {
+                    idx.iter().flat_map(|&j| v[j].iter().copied()).collect()
+                };
+                let mut out = vec![0f32; tbm.len() * nc];
+                kvreplay_kernels::cpu::dot_rows(&rows(tbm), &rows(&imp), sh.d, &mut out);
+                out
+            };
+            let kdot = pairs(&ksim, self.similarity != 2);
+            let vdot = pairs(&vsim, self.similarity != 1);
+            let redundancy = |ti: usize, ci: usize| -> f64 {
+                let kc = || (kdot[ti * nc + ci] as f64).max(0.0);
+                let vc = || (vdot[ti * nc + ci] as f64).max(0.0);
                 match self.similarity {
                     1 => kc(),
                     2 => vc(),
@@ -341,11 +361,11 @@ impl Ems {
             let mut members: Vec<Vec<usize>> = imp.iter().map(|&c| vec![c]).collect();
             let mut zero_members: Vec<usize> = Vec::new();
             // dest_i = the most redundant centre if R >= τ and τ < 1, else the zero class
-            for &i in tbm {
+            for (ti, &i) in tbm.iter().enumerate() {
                 let mut best = (0usize, -1.0f64);
                 if self.tau < 1.0 {
-                    for (ci, &c) in imp.iter().enumerate() {
-                        let r = redundancy(i, c);
+                    for ci in 0..imp.len() {
+                        let r = redundancy(ti, ci);
                         if r > best.1 {
                             best = (ci, r);
                         }
@@ -405,7 +425,9 @@ impl Ems {
                     zero_members[0],
                     &zero_members,
                 );
-                st.entries.last_mut().unwrap().as_mut().unwrap().zero = true;
+                let z = st.entries.last_mut().unwrap().as_mut().unwrap();
+                z.zero = true;
+                z.refresh(self, &sh.rope);
             }
             st.slots.sort_by_key(|x| x.pos);
         }
@@ -414,9 +436,22 @@ impl Ems {
 
     /// The engine's view of a head: one entry per active slot, in slot order.
     fn expand(&self, st: &mut HeadState, sh: &Shape) -> HeadCache {
+        let mut c = HeadCache::new(sh.d);
+        self.expand_into(st, sh, &mut c);
+        c
+    }
+
+    /// [`expand`](Self::expand) into `c`, reusing its buffers.
+    fn expand_into(&self, st: &mut HeadState, sh: &Shape, c: &mut HeadCache) {
         let d = sh.d;
         let aux = F16_BITS + ((sh.n_budget + 1) as f64).log2().ceil() as u64;
-        let mut c = HeadCache::new(d);
+        c.d = d;
+        c.keys.clear();
+        c.values.clear();
+        c.bias.clear();
+        c.bits.clear();
+        // member lists are reused in place (one position per slot)
+        c.members.truncate(st.slots.len());
         let mut charged = vec![false; st.entries.len()];
         for s in st.slots.iter_mut() {
             let e = st.entries[s.entry]
@@ -425,13 +460,23 @@ impl Ems {
             if s.key.is_empty() {
                 s.key = e.dir.iter().map(|x| x * s.knorm).collect();
                 if self.raw_space {
-                    apply_rope(&mut s.key, 1, d, s.pos, sh.rope.as_ref().expect("checked"));
+                    sh.rope
+                        .as_ref()
+                        .expect("checked")
+                        .rotate(&mut s.key, s.pos, 1.0);
                 }
             }
             c.keys.extend_from_slice(&s.key);
             c.values.extend_from_slice(&e.val);
             c.bias.push(0.0);
-            c.members.push(vec![s.pos as u32]);
+            let i = c.bias.len() - 1;
+            match c.members.get_mut(i) {
+                Some(m) => {
+                    m.clear();
+                    m.push(s.pos as u32);
+                }
+                None => c.members.push(vec![s.pos as u32]),
+            }
             let entry_bits = if charged[s.entry] || e.zero {
                 0
             } else {
@@ -440,7 +485,6 @@ impl Ems {
             charged[s.entry] = true;
             c.bits.push(entry_bits + aux);
         }
-        c
     }
 }
 
@@ -480,7 +524,7 @@ impl Policy for Ems {
             n_tbm,
             s_max: b.saturating_add(n_tbm),
             l_win,
-            rope: ctx.rope(),
+            rope: ctx.rope().map(RopeCache::new),
         };
         // Scores per query head: column sums and last-window column sums.
         let lw = l_win.min(n);
@@ -576,13 +620,15 @@ impl DecodeState for Decode {
             // 1. the new token: a window entry and its slot
             let kt = cfg.key_space(&k_new, ctx.pos, &sh.rope);
             let id = st.entries.len();
-            st.entries.push(Some(Entry {
-                dir: unit(&kt.iter().map(|x| *x as f64).collect::<Vec<_>>()),
-                val: v_new,
-                window: true,
-                anchor: ctx.pos,
-                zero: false,
-            }));
+            let mut e = Entry::new(
+                unit(&kt.iter().map(|x| *x as f64).collect::<Vec<_>>()),
+                v_new,
+                true,
+                ctx.pos,
+                false,
+            );
+            e.refresh(cfg, &sh.rope);
+            st.entries.push(Some(e));
             st.slots.push(Slot {
                 pos: ctx.pos,
                 entry: id,
@@ -656,16 +702,16 @@ impl DecodeState for Decode {
                 let mut target = None;
                 if sh.n_tbm > 0 && cfg.tau < 1.0 {
                     let ec = st.entries[c].as_ref().unwrap();
-                    let sc = cfg.sim_vec(&ec.dir, ec.anchor, &sh.rope);
                     let mut best: Option<(usize, f64)> = None;
                     for &e in centres.iter().filter(|&&e| e != c) {
                         let ee = st.entries[e].as_ref().unwrap();
-                        let r = cfg.redundancy(
-                            &sc,
-                            &ec.val,
-                            &cfg.sim_vec(&ee.dir, ee.anchor, &sh.rope),
-                            &ee.val,
-                        );
+                        let kc = || cos_plus_normed(&ec.sim, ec.sim_norm, &ee.sim, ee.sim_norm);
+                        let vc = || cos_plus_normed(&ec.val, ec.val_norm, &ee.val, ee.val_norm);
+                        let r = match cfg.similarity {
+                            1 => kc(),
+                            2 => vc(),
+                            _ => kc() * vc(),
+                        };
                         let better = match best {
                             None => true,
                             Some((b, rb)) => r > rb || (r == rb && ee.anchor < anchor(b)),
@@ -704,6 +750,7 @@ impl DecodeState for Decode {
                             .zip(&ec.val)
                             .map(|(x, y)| (wt * *x as f64 + wc * *y as f64) as f32)
                             .collect();
+                        et.refresh(cfg, &sh.rope);
                         st.slots
                             .iter_mut()
                             .filter(|s| s.entry == c || s.entry == t)
@@ -720,13 +767,15 @@ impl DecodeState for Decode {
                         {
                             Some(z) => z,
                             None => {
-                                st.entries.push(Some(Entry {
-                                    dir: vec![0.0; sh.d],
-                                    val: vec![0.0; sh.d],
-                                    window: false,
-                                    anchor: anchor(c),
-                                    zero: true,
-                                }));
+                                let mut z = Entry::new(
+                                    vec![0.0; sh.d],
+                                    vec![0.0; sh.d],
+                                    false,
+                                    anchor(c),
+                                    true,
+                                );
+                                z.refresh(cfg, &sh.rope);
+                                st.entries.push(Some(z));
                                 st.entries.len() - 1
                             }
                         };
@@ -773,7 +822,8 @@ impl DecodeState for Decode {
                     None => break,
                 }
             }
-            caches[hi] = self.cfg.expand(&mut self.states[hi], &self.sh);
+            self.cfg
+                .expand_into(&mut self.states[hi], &self.sh, &mut caches[hi]);
         }
     }
 }
