@@ -205,151 +205,6 @@ struct HeadState {
 }
 
 impl D2o {
-    fn from_params(p: &Params) -> Result<D2o, ReplayError> {
-        let unit = |k: &str| -> Result<f64, ReplayError> {
-            let x = p.float(k)?;
-            if (0.0..=1.0).contains(&x) {
-                Ok(x)
-            } else {
-                Err(ReplayError::BadParam {
-                    policy: "d2o".into(),
-                    key: k.into(),
-                    value: x.to_string(),
-                    msg: "must lie in [0, 1]".into(),
-                })
-            }
-        };
-        Ok(D2o {
-            f: unit("f")?,
-            beta: unit("beta")?,
-            n_sink: p.int("n_sink")?,
-            sinks_in_recent: p.word("sink_slot") == "recent",
-            ema: p.word("threshold") == "ema",
-            merge: p.word("merge").into(),
-            match_on: match p.word("match_on") {
-                "values" => 1,
-                "split" => 2,
-                _ => 0,
-            },
-            allocation: p.word("allocation").into(),
-            protect_layers: p.bool("protect_layers")?,
-            per_query_head: false,
-            defer_first: false,
-            shared_tau: false,
-            fp16_scores: false,
-        }
-        .with_preset(p.word("preset")))
-    }
-
-    /// The official code's settings (d2o.md §2.6 items a to j): protected
-    /// layers, first compression at decode step 1, per-query-head caches, one τ
-    /// per layer, scaled-mean merge, τ ← (τ + m)/2, sinks inside N, layers
-    /// whose budget reaches P − 1 stop compressing, N:M = 1:1, f16 scores.
-    fn with_preset(self, preset: &str) -> D2o {
-        if preset != "code" {
-            return self;
-        }
-        D2o {
-            protect_layers: true,
-            per_query_head: true,
-            defer_first: true,
-            shared_tau: true,
-            fp16_scores: true,
-            merge: "code_scaled_mean".into(),
-            beta: 0.5,
-            f: 0.5,
-            sinks_in_recent: false,
-            ..self
-        }
-    }
-
-    /// φ over layers from every layer's per-head column sums (each (n_heads·P)).
-    pub fn layer_shares(&self, colsums: &[&[f32]], n_heads: usize, p: usize) -> Vec<f64> {
-        let l = colsums.len();
-        if p < 2 || self.allocation == "uniform" {
-            return vec![1.0 / l as f64; l];
-        }
-        let var = |c: &[f32]| {
-            let m = c.iter().map(|x| *x as f64).sum::<f64>() / c.len() as f64;
-            c.iter().map(|x| (*x as f64 - m).powi(2)).sum::<f64>() / (c.len() - 1) as f64
-        };
-        let v: Vec<Vec<f64>> = colsums
-            .iter()
-            .map(|c| (0..n_heads).map(|h| var(&c[h * p..(h + 1) * p])).collect())
-            .collect();
-        let softmax = |x: Vec<f64>| {
-            let mx = x.iter().cloned().fold(f64::MIN, f64::max);
-            let e: Vec<f64> = x.iter().map(|y| (y - mx).exp()).collect();
-            let z: f64 = e.iter().sum();
-            e.iter().map(|y| y / z).collect::<Vec<f64>>()
-        };
-        let raw: Vec<f64> = v
-            .iter()
-            .map(|vh| vh.iter().sum::<f64>() / vh.len() as f64)
-            .collect();
-        match self.allocation.as_str() {
-            "reciprocal" => {
-                let r: Vec<f64> = raw.iter().map(|x| 1.0 / x.max(1e-12)).collect();
-                let z: f64 = r.iter().sum();
-                r.iter().map(|x| x / z).collect()
-            }
-            "exp_decay" => softmax(raw.iter().map(|x| -x).collect()),
-            "inv_var_softmax_raw" => softmax(raw.iter().map(|x| 1.0 / x.max(1e-12)).collect()),
-            _ => {
-                let s: Vec<f64> = v
-                    .iter()
-                    .map(|vh| {
-                        let (mn, mx) = vh
-                            .iter()
-                            .fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(*x), b.max(*x)));
-                        vh.iter().map(|x| (x - mn) / (mx - mn + 1e-6)).sum::<f64>()
-                            / vh.len() as f64
-                    })
-                    .collect();
-                softmax(s.iter().map(|x| -x).collect())
-            }
-        }
-    }
-}
-
-/// r_l = clamp(L·B·φ_l/P, 0.01, 1): the layer's share of the prompt.
-pub fn layer_ratio(phi: f64, n_layers: usize, b: usize, p: usize) -> f64 {
-    (n_layers as f64 * b as f64 * phi / p as f64).clamp(0.01, 1.0)
-}
-
-/// (N, M) for a layer ratio `r` over `len` positions.
-pub fn counts(r: f64, len: usize, f: f64) -> (usize, usize) {
-    (
-        (r * f * len as f64).floor() as usize,
-        (r * (1.0 - f) * len as f64).floor() as usize,
-    )
-}
-
-/// (N, M) of a layer for an average budget `b` per layer.
-pub fn layer_counts(phi: f64, n_layers: usize, b: usize, p: usize, f: f64) -> (usize, usize) {
-    counts(layer_ratio(phi, n_layers, b, p), p, f)
-}
-
-/// Per-(layer, KV head) state: scores, anchors and sink flags of the entries, τ.
-struct HeadState {
-    score: Vec<f64>,
-    anchor: Vec<usize>,
-    sink: Vec<bool>,
-    /// EMA thresholds: [the match (or key half), the value half under split].
-    tau: [Option<f64>; 2],
-}
-
-fn cos(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        ab += *x as f64 * *y as f64;
-        aa += (*x as f64).powi(2);
-        bb += (*y as f64).powi(2);
-    }
-    ab / (aa.sqrt() * bb.sqrt() + 1e-6)
-}
-
-impl D2o {
     /// The first compression of a cache whose entry i is position i: keep the
     /// sinks (inside N, or inside M with `sink_slot=recent`), the N highest
     /// scores and the last M entries; returns the rest (to recall-and-merge).
@@ -393,9 +248,9 @@ impl D2o {
     /// `sim` (ties: the earliest kept entry).
     fn matches(sim: &[f32], d: usize, evict: &[usize], kept: &[usize]) -> Vec<(usize, f64)> {
         let row = |e: usize| &sim[e * d..(e + 1) * d];
-        // `cos` with each row's norm computed once (same sums, same order:
-        // the same values), and four kept rows per pass over the evicted row
-        // so the f64 sums of different pairs overlap.
+        // The cosine ab / (|a| |b| + 1e-6) in f64, with each row's norm computed
+        // once, and four kept rows per pass over the evicted row so the f64
+        // sums of different pairs overlap (each sum keeps its order).
         let norm = |e: usize| {
             row(e)
                 .iter()
