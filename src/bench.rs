@@ -93,33 +93,83 @@ pub struct ReplayBench {
     pub trace: Option<PathBuf>,
     pub model: Option<PathBuf>,
     pub reps: usize,
+    /// Python with numpy + safetensors for scripts/reference_replay.py; None skips it.
+    pub python: Option<PathBuf>,
+    /// Skip timing a model rerun (prefill + decode) even when the model is present.
+    pub no_rerun: bool,
 }
 
 /// Budgets of the sweep benchmark.
 pub const SWEEP_BUDGETS: [usize; 6] = [32, 64, 128, 256, 512, 1024];
 
+/// The policies the NumPy reference implements.
+const REFERENCE_POLICIES: [&str; 4] = ["full", "snapkv", "h2o", "streaming_llm"];
+
+/// The benchmark trace: `trace` if it exists, else a 2048 + 64 filler capture
+/// (into `trace`, or a temporary folder).
+fn bench_trace(
+    trace: &Option<PathBuf>,
+    model: &Option<PathBuf>,
+    tmp: &std::path::Path,
+) -> Result<PathBuf> {
+    if let Some(t) = trace.as_ref().filter(|t| t.exists()) {
+        return Ok(t.clone());
+    }
+    let out = trace.clone().unwrap_or_else(|| tmp.join("bench.kvtrace"));
+    let model_path = crate::cli::resolve_model(model.clone())?;
+    let model = Model::load(&model_path)?;
+    let mut ids = model.tokenizer.encode(&filler_text(2048))?;
+    ids.truncate(2048);
+    let mut o = CaptureOptions::new("(benchmark filler)", out);
+    o.prompt_ids = Some(ids);
+    o.n_decode = 64;
+    println!(
+        "capturing a 2048 + 64 token trace of {} into {} ...",
+        model_path.display(),
+        o.out.display()
+    );
+    Ok(capture(&model, &o, &mut |_| {})?.out)
+}
+
+/// (total seconds, per-policy seconds, per-point (policy, budget, summary)).
+type SweepTiming = (
+    f64,
+    Vec<(String, f64)>,
+    Vec<(String, usize, kvreplay_replay::output::Summary)>,
+);
+
+/// Sweep `policies` x `budgets` from a cold start (no kept results); returns
+/// (total seconds, per-policy seconds, per-point summaries).
+fn timed_sweep(
+    trace: &kvreplay_traces::Trace,
+    policies: &[&str],
+    budgets: &[usize],
+) -> Result<SweepTiming> {
+    use kvreplay_replay::{Budget, PolicySpec};
+    kvreplay_replay::memo::clear();
+    let t0 = std::time::Instant::now();
+    let (mut per_policy, mut points) = (Vec::new(), Vec::new());
+    for name in policies {
+        let spec = PolicySpec::parse(name)?;
+        let p = spec.build()?;
+        let tp = std::time::Instant::now();
+        for &b in budgets {
+            let r = kvreplay_replay::replay(trace, p.as_ref(), Budget::Entries(b))?;
+            points.push((
+                name.to_string(),
+                b,
+                kvreplay_replay::output::summary(trace, &spec, Budget::Entries(b), &r),
+            ));
+        }
+        per_policy.push((name.to_string(), tp.elapsed().as_secs_f64()));
+    }
+    Ok((t0.elapsed().as_secs_f64(), per_policy, points))
+}
+
 pub fn bench_replay(b: &ReplayBench) -> Result<()> {
     use kvreplay_replay::{Budget, PolicySpec, REGISTRY};
     let tmp = std::env::temp_dir().join(format!("kvreplay-bench-replay-{}", std::process::id()));
-    let trace_dir = match &b.trace {
-        Some(t) if t.exists() => t.clone(),
-        other => {
-            let out = other.clone().unwrap_or_else(|| tmp.join("bench.kvtrace"));
-            let model_path = crate::cli::resolve_model(b.model.clone())?;
-            let model = Model::load(&model_path)?;
-            let mut ids = model.tokenizer.encode(&filler_text(2048))?;
-            ids.truncate(2048);
-            let mut o = CaptureOptions::new("(benchmark filler)", out);
-            o.prompt_ids = Some(ids);
-            o.n_decode = 64;
-            println!(
-                "capturing a 2048 + 64 token trace of {} into {} ...",
-                model_path.display(),
-                o.out.display()
-            );
-            capture(&model, &o, &mut |_| {})?.out
-        }
-    };
+    let trace_dir = bench_trace(&b.trace, &b.model, &tmp)?;
     let trace = kvreplay_traces::Trace::open(&trace_dir)?;
     let m = &trace.manifest;
     println!(
@@ -131,42 +181,232 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
         m.model.n_kv_heads,
         rayon::current_num_threads()
     );
+
+    // 1. One point, cold (first replay of the trace) and warm (reused
+    //    budget-independent results, as inside a sweep).
     let one = PolicySpec::parse("snapkv")?.build()?;
-    let mut times = Vec::new();
+    let mut cold = Vec::new();
+    let mut warm = Vec::new();
     for _ in 0..b.reps {
+        kvreplay_replay::memo::clear();
         let t0 = std::time::Instant::now();
         kvreplay_replay::replay(&trace, one.as_ref(), Budget::Entries(256))?;
-        times.push(t0.elapsed().as_secs_f64());
+        cold.push(t0.elapsed().as_secs_f64());
+        let t0 = std::time::Instant::now();
+        kvreplay_replay::replay(&trace, one.as_ref(), Budget::Entries(256))?;
+        warm.push(t0.elapsed().as_secs_f64());
     }
+    let fmt = |v: &[f64]| {
+        v.iter()
+            .map(|t| format!("{t:.3}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     println!(
-        "one replay (snapkv, budget 256): median {:.3} s over {} reps {:?}",
-        median(&mut times.clone()),
-        b.reps,
-        times.iter().map(|t| format!("{t:.3}")).collect::<Vec<_>>()
+        "one replay (snapkv, budget 256): cold median {:.3} s [{}]; warm median {:.3} s [{}]",
+        median(&mut cold.clone()),
+        fmt(&cold),
+        median(&mut warm.clone()),
+        fmt(&warm)
     );
-    let policies: Vec<_> = REGISTRY.iter().map(|p| p.name).collect();
-    let t0 = std::time::Instant::now();
-    let mut per_policy = Vec::new();
-    for name in &policies {
-        let p = PolicySpec::parse(name)?.build()?;
-        let tp = std::time::Instant::now();
-        for &budget in &SWEEP_BUDGETS {
-            kvreplay_replay::replay(&trace, p.as_ref(), Budget::Entries(budget))?;
+
+    // 2. Against the NumPy reference: the same points, both from a cold start.
+    if let Some(py) = &b.python {
+        let budgets = SWEEP_BUDGETS.map(|x| x.to_string()).join(",");
+        let t0 = std::time::Instant::now();
+        let out = std::process::Command::new(py)
+            .arg("scripts/reference_replay.py")
+            .arg(&trace_dir)
+            .args([
+                "--budgets",
+                &budgets,
+                "--policies",
+                &REFERENCE_POLICIES.join(","),
+            ])
+            .output()
+            .with_context(|| format!("running {} scripts/reference_replay.py", py.display()))?;
+        let wall = t0.elapsed().as_secs_f64();
+        anyhow::ensure!(
+            out.status.success(),
+            "reference_replay.py failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let j: serde_json::Value =
+            serde_json::from_slice(&out.stdout).context("reference_replay.py output")?;
+        let (ours, _, points) = timed_sweep(&trace, &REFERENCE_POLICIES, &SWEEP_BUDGETS)?;
+        let mut worst = [0f64; 4];
+        for p in j["points"].as_array().context("points")? {
+            let (pol, bud) = (
+                p["policy"].as_str().unwrap_or(""),
+                p["budget"].as_u64().unwrap_or(0) as usize,
+            );
+            let s = &points
+                .iter()
+                .find(|x| x.0 == pol && x.1 == bud)
+                .context("point missing")?
+                .2;
+            for (w, (ours, key)) in worst.iter_mut().zip([
+                (s.rel_l2_mean, "rel_l2"),
+                (s.cosine_mean, "cosine"),
+                (s.attn_mass_mean, "attn_mass"),
+                (s.kl_mean, "kl"),
+            ]) {
+                *w = w.max((ours - p[key].as_f64().unwrap_or(f64::NAN)).abs());
+            }
         }
-        per_policy.push((name, tp.elapsed().as_secs_f64()));
+        let theirs = j["seconds"].as_f64().unwrap_or(wall);
+        println!(
+            "vs NumPy reference ({} policies x {} budgets = {} points): kvreplay {ours:.2} s, NumPy {theirs:.2} s (process {wall:.2} s): {:.1}x faster",
+            REFERENCE_POLICIES.len(),
+            SWEEP_BUDGETS.len(),
+            points.len(),
+            theirs / ours
+        );
+        println!(
+            "  largest metric difference over those points: rel_l2 {:.1e}, cosine {:.1e}, attn_mass {:.1e}, kl {:.1e}",
+            worst[0], worst[1], worst[2], worst[3]
+        );
+    } else {
+        println!("vs NumPy reference: not run (no Python with numpy and safetensors; run scripts/setup-reference.sh)");
     }
-    let total = t0.elapsed().as_secs_f64();
+
+    // 3. The full sweep: every registered policy x 6 budgets, cold start.
+    let policies: Vec<&str> = REGISTRY.iter().map(|p| p.name).collect();
+    let (total, per_policy, points) = timed_sweep(&trace, &policies, &SWEEP_BUDGETS)?;
+    let per_point = total / points.len() as f64;
     println!(
-        "sweep: {} policies x {} budgets {:?} = {} replays in {total:.2} s ({:.3} s per replay)",
+        "sweep: {} policies x {} budgets {:?} = {} points in {total:.2} s ({per_point:.3} s per point)",
         policies.len(),
         SWEEP_BUDGETS.len(),
         SWEEP_BUDGETS,
-        policies.len() * SWEEP_BUDGETS.len(),
-        total / (policies.len() * SWEEP_BUDGETS.len()) as f64
+        points.len()
     );
-    for (name, t) in per_policy {
-        println!("  {name:>14}: {t:.2} s for 6 budgets");
+    for (name, t) in &per_policy {
+        println!(
+            "  {name:>14}: {t:6.2} s for {} budgets",
+            SWEEP_BUDGETS.len()
+        );
+    }
+
+    // 4. The alternative: rerunning the model on the same prompt (prefill in
+    //    chunks of 256, then the decode tokens teacher-forced), no trace writes.
+    if b.no_rerun {
+        println!("model rerun: not timed (--no-rerun)");
+    } else {
+        match crate::cli::resolve_model(b.model.clone()) {
+            Ok(path) => {
+                let model = Model::load(&path)?;
+                let secs = time_rerun(&model, &m.tokens.ids, m.prompt_len())?;
+                println!(
+                    "model rerun (prefill {} + decode {} tokens): {secs:.2} s = {:.0} sweep points per rerun-equivalent",
+                    m.prompt_len(),
+                    m.generation.n_decode,
+                    secs / per_point
+                );
+            }
+            Err(e) => println!("model rerun: not timed ({e})"),
+        }
     }
     std::fs::remove_dir_all(&tmp).ok();
+    Ok(())
+}
+
+/// Seconds for one forward pass over `ids` as an evaluation rerun would do
+/// it: prefill of the first `p` tokens in chunks of 256, then one step per
+/// remaining token.
+fn time_rerun(model: &Model, ids: &[u32], p: usize) -> Result<f64> {
+    use kvreplay_capture::llama::{ForwardOptions, KvCache};
+    let t0 = std::time::Instant::now();
+    let mut cache = KvCache::new(&model.llama.cfg, ids.len());
+    let mut sink = |_: kvreplay_capture::llama::LayerTaps<'_>| {};
+    let mut pos = 0;
+    while pos < ids.len() {
+        let end = if pos < p { (pos + 256).min(p) } else { pos + 1 };
+        let fo = ForwardOptions {
+            colsum: None,
+            probs: false,
+        };
+        model
+            .llama
+            .forward(&ids[pos..end], pos, &mut cache, fo, &mut sink)?;
+        pos = end;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+pub struct ScalingBench {
+    pub model: Option<PathBuf>,
+    pub dir: PathBuf,
+    pub lengths: Vec<usize>,
+    pub policy: String,
+    pub budget: usize,
+    pub reps: usize,
+}
+
+/// Replay time against prompt length: captures filler traces of each length
+/// (64 decode tokens; kept in `dir` for reuse), times cold replays of one
+/// (policy, budget) point and fits time = c · P^k by least squares in log-log.
+pub fn bench_scaling(b: &ScalingBench) -> Result<()> {
+    use kvreplay_replay::{Budget, PolicySpec};
+    let spec = PolicySpec::parse(&b.policy)?;
+    let policy = spec.build()?;
+    std::fs::create_dir_all(&b.dir).with_context(|| format!("creating {}", b.dir.display()))?;
+    let mut model: Option<Model> = None;
+    let mut rows = Vec::new();
+    for &len in &b.lengths {
+        let dir = b.dir.join(format!("filler-{len:05}.kvtrace"));
+        if !dir.join("manifest.json").exists() {
+            if model.is_none() {
+                model = Some(Model::load(&crate::cli::resolve_model(b.model.clone())?)?);
+            }
+            let model = model.as_ref().expect("loaded");
+            let mut ids = model.tokenizer.encode(&filler_text(len + len / 4 + 16))?;
+            anyhow::ensure!(ids.len() >= len, "filler text too short");
+            ids.truncate(len);
+            let mut o = CaptureOptions::new("(benchmark filler)", &dir);
+            o.prompt_ids = Some(ids);
+            o.n_decode = 64;
+            o.force = true;
+            o.beyond_context = true;
+            let t0 = std::time::Instant::now();
+            capture(model, &o, &mut |_| {})?;
+            println!(
+                "captured {} ({len} + 64 tokens) in {:.1} s",
+                dir.display(),
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        let trace = kvreplay_traces::Trace::open(&dir)?;
+        let mut times = Vec::new();
+        for _ in 0..b.reps {
+            kvreplay_replay::memo::clear();
+            let t0 = std::time::Instant::now();
+            kvreplay_replay::replay(&trace, policy.as_ref(), Budget::Entries(b.budget))?;
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        let t = median(&mut times.clone());
+        println!(
+            "P = {len:6}: {} at budget {}: median {t:.3} s (cold) over {} reps",
+            spec.canonical(),
+            b.budget,
+            b.reps
+        );
+        rows.push((len as f64, t));
+    }
+    kvreplay_replay::memo::clear();
+    if rows.len() >= 2 {
+        let n = rows.len() as f64;
+        let (xs, ys): (Vec<f64>, Vec<f64>) = rows.iter().map(|(p, t)| (p.ln(), t.ln())).unzip();
+        let (mx, my) = (xs.iter().sum::<f64>() / n, ys.iter().sum::<f64>() / n);
+        let sxy: f64 = xs.iter().zip(&ys).map(|(x, y)| (x - mx) * (y - my)).sum();
+        let sxx: f64 = xs.iter().map(|x| (x - mx).powi(2)).sum();
+        let k = sxy / sxx;
+        let r2 = sxy * sxy / (sxx * ys.iter().map(|y| (y - my).powi(2)).sum::<f64>());
+        println!(
+            "replay time ~ P^{k:.2} (least squares in log-log over P = {}..{}, R^2 = {r2:.3})",
+            rows[0].0,
+            rows[rows.len() - 1].0
+        );
+    }
     Ok(())
 }

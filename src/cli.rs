@@ -89,6 +89,34 @@ enum BenchCmd {
         model: Option<PathBuf>,
         #[arg(long, default_value_t = 3)]
         reps: usize,
+        /// Python (with numpy, safetensors) to run scripts/reference_replay.py [default: .venv-ref/bin/python if present]
+        #[arg(long)]
+        python: Option<PathBuf>,
+        /// Do not time a model rerun.
+        #[arg(long)]
+        no_rerun: bool,
+    },
+    /// Replay time against prompt length (captures filler traces of each length first).
+    Scaling {
+        /// GGUF model used to capture missing traces.
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Where the traces are kept between runs.
+        #[arg(long, default_value = "results/bench-scaling")]
+        dir: PathBuf,
+        /// Prompt lengths (beyond the model's context, RoPE extrapolates: fine for timing).
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "512,1024,2048,4096,8192,16384"
+        )]
+        lengths: Vec<usize>,
+        #[arg(long, default_value = "snapkv")]
+        policy: String,
+        #[arg(long, default_value_t = 256)]
+        budget: usize,
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
     },
 }
 
@@ -249,13 +277,37 @@ pub fn run() -> Result<()> {
             );
             Ok(())
         }
-        Cmd::Bench(BenchCmd::Replay { trace, model, reps }) => {
-            crate::bench::bench_replay(&crate::bench::ReplayBench {
-                trace,
-                model,
-                reps: reps.max(1),
-            })
-        }
+        Cmd::Bench(BenchCmd::Replay {
+            trace,
+            model,
+            reps,
+            python,
+            no_rerun,
+        }) => crate::bench::bench_replay(&crate::bench::ReplayBench {
+            trace,
+            model,
+            reps: reps.max(1),
+            python: python.or_else(|| {
+                let p = PathBuf::from(".venv-ref/bin/python");
+                p.exists().then_some(p)
+            }),
+            no_rerun,
+        }),
+        Cmd::Bench(BenchCmd::Scaling {
+            model,
+            dir,
+            lengths,
+            policy,
+            budget,
+            reps,
+        }) => crate::bench::bench_scaling(&crate::bench::ScalingBench {
+            model,
+            dir,
+            lengths,
+            policy,
+            budget,
+            reps: reps.max(1),
+        }),
         Cmd::Replay(a) => cmd_replay(a),
         Cmd::Bench(BenchCmd::Capture {
             model,

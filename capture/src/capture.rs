@@ -35,6 +35,9 @@ pub struct CaptureOptions {
     pub force: bool,
     /// Named token spans of the prompt, recorded in the manifest.
     pub spans: Vec<Span>,
+    /// Allow positions past the model's context length (RoPE extrapolates;
+    /// attention patterns there are untrained). For timing benchmarks only.
+    pub beyond_context: bool,
 }
 
 impl CaptureOptions {
@@ -51,6 +54,7 @@ impl CaptureOptions {
             out: out.into(),
             force: false,
             spans: Vec::new(),
+            beyond_context: false,
         }
     }
 }
@@ -116,7 +120,7 @@ pub fn capture(
         return Err(CaptureError::EmptyPrompt);
     }
     let t = p + opts.n_decode;
-    if t > cfg.context_length {
+    if t > cfg.context_length && !opts.beyond_context {
         return Err(CaptureError::PromptTooLong {
             prompt: p,
             decode: opts.n_decode,

@@ -295,17 +295,7 @@ impl Backend {
         )?;
         match self {
             Backend::Cpu => {
-                for i in 0..nq {
-                    z[i] = cpu::attend_biased(
-                        &q[i * d..(i + 1) * d],
-                        keys,
-                        values,
-                        bias,
-                        scale,
-                        &mut w[i * n..(i + 1) * n],
-                        &mut out[i * d..(i + 1) * d],
-                    );
-                }
+                cpu::attend_biased_multi(q, keys, values, bias, scale, w, z, out);
                 Ok(())
             }
             #[cfg(feature = "cuda")]

@@ -10,6 +10,7 @@ use crate::cache::HeadCache;
 use crate::policy::{LayerData, Policy, PrefillCtx, StepCtx};
 use crate::ReplayError;
 use kvreplay_kernels::Backend;
+use std::ops::Range;
 
 /// How much prompt cache to keep per KV head and layer.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -268,18 +269,48 @@ fn full_reference(data: &LayerData) -> Result<Reference, ReplayError> {
             for (g, f) in full.iter_mut().enumerate() {
                 f.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
             }
-            (0..data.n_heads)
-                .map(|h| {
-                    attend(
-                        data.q_row(h, pos),
-                        &full[h / group],
-                        data.scale,
-                        &data.backend,
-                    )
-                })
-                .collect()
+            let per_group = (0..data.n_kv_heads)
+                .map(|g| attend_heads(data, g * group..(g + 1) * group, pos, &full[g]))
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(per_group.into_iter().flatten().collect())
         })
         .collect()
+}
+
+/// Attention of the step-`pos` queries of query heads `heads` over one
+/// cache, in one pass over it: per head (output, weights, their sum), as
+/// [`attend`] computes them.
+type Attended = (Vec<f64>, Vec<f64>, f64);
+fn attend_heads(
+    data: &LayerData,
+    heads: Range<usize>,
+    pos: usize,
+    cache: &HeadCache,
+) -> Result<Vec<Attended>, ReplayError> {
+    let (nq, n, d) = (heads.len(), cache.len(), cache.d);
+    let q: Vec<f32> = heads
+        .flat_map(|h| data.q_row(h, pos).iter().copied())
+        .collect();
+    let (mut w, mut z, mut out) = (vec![0f64; nq * n], vec![0f64; nq], vec![0f32; nq * d]);
+    data.backend.attend_biased(
+        &q,
+        &cache.keys,
+        &cache.values,
+        &cache.bias,
+        data.scale,
+        &mut w,
+        &mut z,
+        &mut out,
+    )?;
+    Ok((0..nq)
+        .map(|i| {
+            (
+                out[i * d..(i + 1) * d].iter().map(|x| *x as f64).collect(),
+                w[i * n..(i + 1) * n].to_vec(),
+                z[i],
+            )
+        })
+        .collect())
 }
 
 /// Replay `policy` on layer `data` with budget `b`.
@@ -359,16 +390,22 @@ fn replay_group_refs(
                 let g = if per_query[i] { c / group } else { c };
                 cache.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
             }
-            for h in 0..data.n_heads {
-                let c = cache_of(i, h);
-                let q = data.q_row(h, pos);
-                let (o_c, c_w, c_z) = attend(q, &caches[i][c], data.scale, &data.backend)?;
-                let (o_f, f_w, f_z) = &reference[i][pos - p][h];
-                let m = step_metrics(&o_c, o_f, &caches[i][c], &c_w, c_z, f_w, *f_z);
-                for (s, x) in sums[i][h].iter_mut().zip([m.0, m.1, m.2, m.3]) {
-                    *s += x;
+            // the query heads that read each cache attend together (GQA)
+            for (c, cache) in caches[i].iter().enumerate() {
+                let heads = if per_query[i] {
+                    c..c + 1
+                } else {
+                    c * group..(c + 1) * group
+                };
+                let outs = attend_heads(data, heads.clone(), pos, cache)?;
+                for (h, (o_c, c_w, c_z)) in heads.zip(outs) {
+                    let (o_f, f_w, f_z) = &reference[i][pos - p][h];
+                    let m = step_metrics(&o_c, o_f, cache, &c_w, c_z, f_w, *f_z);
+                    for (s, x) in sums[i][h].iter_mut().zip([m.0, m.1, m.2, m.3]) {
+                        *s += x;
+                    }
+                    probs[i][h] = c_w.iter().map(|w| (w / c_z) as f32).collect();
                 }
-                probs[i][h] = c_w.iter().map(|w| (w / c_z) as f32).collect();
             }
         }
         let queries: Vec<Vec<&[f32]>> = datas

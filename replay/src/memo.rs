@@ -64,3 +64,10 @@ pub fn try_get_or<T: Any + Send + Sync, E>(
     m.map.insert((layer, key.to_string()), v.clone());
     Ok(v)
 }
+
+/// Forget every kept result (benchmarks use it to time cold runs).
+pub fn clear() {
+    let mut m = memo().lock().expect("memo lock");
+    m.trace.clear();
+    m.map.clear();
+}

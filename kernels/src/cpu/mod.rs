@@ -8,7 +8,9 @@ pub mod norm;
 pub mod rope;
 
 pub use attention::{causal_attention_head, AttentionStats};
-pub use decode::{attend_biased, attention_rows, dot, dot_rows, softmax_in_place, top_k};
+pub use decode::{
+    attend_biased, attend_biased_multi, attention_rows, dot, dot_rows, softmax_in_place, top_k,
+};
 pub use dequant::{dequantize, BlockType};
 pub use linear::linear;
 pub use norm::{argmax, embedding, rms_norm, silu_mul};

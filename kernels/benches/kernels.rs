@@ -1,0 +1,94 @@
+//! Criterion micro-benchmarks of the CPU kernels at SmolLM2 shapes
+//! (head_dim 64, d_model 576, ffn 1536). `cargo bench -p kvreplay-kernels`.
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kvreplay_kernels::cpu::{self, AttentionStats, BlockType};
+use std::hint::black_box;
+
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| {
+            ((i.wrapping_mul(2654435761).wrapping_add(seed) >> 8) % 2001) as f32 / 1000.0 - 1.0
+        })
+        .collect()
+}
+
+fn decode(c: &mut Criterion) {
+    let d = 64;
+    let mut g = c.benchmark_group("decode");
+    for n in [256usize, 2048] {
+        let (q, k, v) = (data(d, 1), data(n * d, 2), data(n * d, 3));
+        let bias = vec![0f32; n];
+        let (mut w, mut o) = (vec![0f64; n], vec![0f32; d]);
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(format!("attend_biased/n={n}"), |b| {
+            b.iter(|| cpu::attend_biased(black_box(&q), &k, &v, &bias, 0.125, &mut w, &mut o))
+        });
+    }
+    let (a, bm) = (data(64 * d, 4), data(512 * d, 5));
+    let mut out = vec![0f32; 64 * 512];
+    g.throughput(Throughput::Elements(64 * 512));
+    g.bench_function("dot_rows/64x512", |b| {
+        b.iter(|| cpu::dot_rows(black_box(&a), &bm, d, &mut out))
+    });
+    let p = 2048;
+    let (q, k) = (data(32 * d, 6), data(p * d, 7));
+    let lens: Vec<usize> = (p - 32..p).map(|j| j + 1).collect();
+    let gains = vec![1f32; 32];
+    let mut rows = vec![0f32; 32 * p];
+    g.throughput(Throughput::Elements((32 * p) as u64));
+    g.bench_function("attention_rows/32x2048", |b| {
+        b.iter(|| cpu::attention_rows(black_box(&q), &k, d, &lens, &gains, 0.125, &mut rows))
+    });
+    g.finish();
+}
+
+fn capture_ops(c: &mut Criterion) {
+    let mut g = c.benchmark_group("capture");
+    let (m, k, n) = (256, 576, 1536);
+    let (x, w) = (data(m * k, 8), data(n * k, 9));
+    let mut out = vec![0f32; m * n];
+    g.throughput(Throughput::Elements((2 * m * k * n) as u64)); // flops
+    g.bench_function("linear/256x576x1536", |b| {
+        b.iter(|| cpu::linear(black_box(&x), &w, &mut out, m, k, n))
+    });
+    let (d, c_len, pos0) = (64, 256, 1792);
+    let (q, kk, v) = (
+        data(c_len * d, 10),
+        data((pos0 + c_len) * d, 11),
+        data((pos0 + c_len) * d, 12),
+    );
+    let mut o = vec![0f32; c_len * d];
+    let mut colsum = vec![0f32; pos0 + c_len];
+    g.throughput(Throughput::Elements((c_len * (pos0 + c_len)) as u64));
+    g.bench_function("causal_attention/256 queries at 1792", |b| {
+        b.iter(|| {
+            cpu::causal_attention_head(
+                black_box(&q),
+                &kk,
+                &v,
+                d,
+                pos0,
+                0.125,
+                &mut o,
+                AttentionStats {
+                    colsum: Some(&mut colsum),
+                    probs: None,
+                },
+            )
+        })
+    });
+    let blocks = 1 << 15;
+    let raw: Vec<u8> = (0..blocks * 20)
+        .map(|i| (i * 31 % 251) as u8 & 0x3f)
+        .collect();
+    let mut y = vec![0f32; blocks * 32];
+    g.throughput(Throughput::Elements((blocks * 32) as u64));
+    g.bench_function("dequantize/q4_1 1M", |b| {
+        b.iter(|| cpu::dequantize(BlockType::Q4_1, black_box(&raw), &mut y).unwrap())
+    });
+    g.finish();
+}
+
+criterion_group!(benches, decode, capture_ops);
+criterion_main!(benches);

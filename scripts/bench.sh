@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The benchmark suite, in one command. Prints every figure BENCHMARKS.md
+# quotes and keeps a copy in results/bench/bench-DATE.txt:
+#   1. criterion micro-benchmarks of the CPU kernels (cargo bench);
+#   2. capture throughput (prefill, decode) on SmolLM2, 2048 + 64 tokens;
+#   3. replay: one point, the NumPy reference comparison, the full sweep of
+#      every policy x 6 budgets, and a model rerun for the points-per-rerun ratio;
+#   4. replay time against prompt length, 512 to 16,384 tokens, and its exponent.
+# The first run captures the traces it needs (a few minutes for the longest).
+# Usage: scripts/bench.sh [--quick]   (--quick: one repetition, no criterion)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+quick=${1:-}
+reps=3
+[ "$quick" = "--quick" ] && reps=1
+scripts/fetch-model.sh
+scripts/setup-reference.sh
+cargo build --release
+mkdir -p results/bench
+log=results/bench/bench-$(date -u +%Y%m%dT%H%M%SZ).txt
+{
+    echo "# kvreplay benchmark suite, $(date -u), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(nproc) threads"
+    if [ "$quick" != "--quick" ]; then
+        echo "## criterion: CPU kernels"
+        cargo bench -p kvreplay-kernels --bench kernels 2>&1 | grep -E "^[a-z_]+/|time:|thrpt:"
+    fi
+    echo "## capture"
+    target/release/kvreplay bench capture --prompt-tokens 2048 --decode 64 --reps "$reps"
+    echo "## replay"
+    target/release/kvreplay bench replay --trace results/bench2048.kvtrace --reps "$reps"
+    echo "## scaling"
+    target/release/kvreplay bench scaling --reps "$reps"
+} 2>&1 | tee "$log"
+echo "wrote $log"

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Independent, straightforward NumPy replay of four policies on a kvreplay trace.
+
+For the performance benchmark (`kvreplay bench replay --reference`): the same
+teacher-forced replay as kvreplay (replay/SEMANTICS.md) for `full`, `snapkv`,
+`h2o` and `streaming_llm` with their default parameters, the same metrics
+(rel_l2, cosine, attn_mass, kl, averaged over decode steps, then over layers
+and query heads), vectorised the way one would write it in NumPy: every
+decode query of a head at once where the kept set is known in advance (a
+(steps, T) mask), and a step loop only where the policy needs it (H2O's
+decode-time eviction). Computed in float64 from the trace's f16 values.
+
+Usage: reference_replay.py TRACE_DIR --budgets 32,64,... [--policies full,snapkv,h2o,streaming_llm]
+Prints one JSON object: {"seconds": total, "points": [{policy, budget, seconds, rel_l2, cosine, attn_mass, kl}]}.
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+from safetensors.numpy import load_file
+
+
+def load(trace):
+    man = json.load(open(f"{trace}/manifest.json"))
+    layers = []
+    for f in man["files"]:
+        t = load_file(f"{trace}/{f['file']}")
+        layers.append({k: t[k].astype(np.float64) for k in ("q", "k", "v", "attn_colsum")})
+    return man, layers
+
+
+def softmax_masked(logits, mask):
+    """Row-wise softmax of logits (n, T) over mask (n, T) True entries."""
+    x = np.where(mask, logits, -np.inf)
+    x = x - x.max(axis=1, keepdims=True)
+    w = np.exp(x)
+    return w / w.sum(axis=1, keepdims=True)
+
+
+def metrics(o_c, o_f, p_full, kept, p_comp):
+    """Per-step metrics (n,) of compressed vs full outputs. kept (n, T) bool."""
+    diff = np.linalg.norm(o_c - o_f, axis=1)
+    nf = np.linalg.norm(o_f, axis=1)
+    nc = np.linalg.norm(o_c, axis=1)
+    rel = diff / np.maximum(nf, 1e-300)
+    cos = (o_c * o_f).sum(axis=1) / np.maximum(nf * nc, 1e-300)
+    mass = (p_full * kept).sum(axis=1)
+    # KL(full restricted to the kept set, renormalised || compressed): 0 for eviction
+    pf = np.where(kept, p_full, 0) / mass[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kl = np.where(pf > 0, pf * np.log(pf / np.maximum(p_comp, np.finfo(float).tiny)), 0).sum(axis=1)
+    return rel, cos, mass, kl
+
+
+def top_k(scores, cand, k):
+    """The k best candidates by (score desc, position desc), ascending."""
+    cand = np.asarray(cand)
+    order = np.lexsort((-cand, -scores[cand]))  # last key is primary
+    return np.sort(cand[order[:k]])
+
+
+def prompt_attention(q, k, rows, scale):
+    """Causal attention rows (len(rows), P) of prompt queries `rows` over prompt keys."""
+    p = k.shape[0]
+    logits = scale * q[rows] @ k[:p].T
+    mask = np.arange(p)[None, :] <= np.asarray(rows)[:, None]
+    return softmax_masked(logits, mask)
+
+
+def replay(policy, b, man, layers):
+    m = man["model"]
+    nh, nkv, scale = m["n_heads"], m["n_kv_heads"], m["attn_scale"]
+    group = nh // nkv
+    p = man["tokens"]["prompt_len"]
+    t_all = len(man["tokens"]["ids"])
+    steps = np.arange(p, t_all)
+    n = len(steps)
+    sums = np.zeros(4)
+    count = 0
+    for lay in layers:
+        q, k, v, colsum = lay["q"], lay["k"], lay["v"], lay["attn_colsum"]
+        for g in range(nkv):
+            heads = range(g * group, (g + 1) * group)
+            causal = np.arange(t_all)[None, :] <= steps[:, None]  # (n, T)
+            kept = None
+            if policy == "full" or (policy == "snapkv" and p <= b):
+                kept = causal
+            elif policy == "streaming_llm":
+                # 4 sinks + the B - 4 positions before the query, and the query itself
+                pos = np.arange(t_all)[None, :]
+                kept = causal & ((pos < 4) | (pos >= steps[:, None] - (b - 4)))
+            elif policy == "snapkv":
+                w = 32
+                s = np.zeros(p - w)
+                for h in heads:
+                    s += prompt_attention(q[h], k[g], np.arange(p - w, p), scale)[:, : p - w].sum(axis=0) / group
+                pooled = np.array([s[max(i - 3, 0): i + 4].max() for i in range(p - w)])
+                keep = np.concatenate([top_k(pooled, np.arange(p - w), b - w), np.arange(p - w, p)])
+                prompt_kept = np.zeros(t_all, bool)
+                prompt_kept[keep] = True
+                prompt_kept[p:] = True
+                kept = causal & prompt_kept[None, :]
+            for h in heads:
+                logits = scale * q[h, steps] @ k[g].T  # (n, T)
+                p_full = softmax_masked(logits, causal)
+                o_f = p_full @ v[g]
+                if policy == "h2o":
+                    p_comp, kept_h = h2o_steps(q, k, g, heads, colsum, b, p, steps, scale, logits_of=h)
+                else:
+                    kept_h = kept
+                    p_comp = softmax_masked(logits, kept_h)
+                o_c = p_comp @ v[g]
+                r = metrics(o_c, o_f, p_full, kept_h, p_comp)
+                sums += [x.mean() for x in r]
+                count += 1
+    return sums / count
+
+
+def h2o_steps(q, k, g, heads, colsum, b, p, steps, scale, logits_of):
+    """H2O with decode-time eviction for KV head g: returns the compressed
+    attention (n, T) of query head `logits_of` and the kept mask (n, T).
+    The set evolves with the group-mean attention, so it is simulated step by step."""
+    heads = list(heads)
+    t_all = k.shape[1]
+    r = b // 2
+    s = colsum[heads].mean(axis=0)  # (P,)
+    keep = list(top_k(s, np.arange(p - r), b - r)) + list(range(p - r, p))
+    score = np.zeros(t_all)
+    score[:p] = s
+    n = len(steps)
+    p_comp = np.zeros((n, t_all))
+    kept = np.zeros((n, t_all), bool)
+    for i, t in enumerate(steps):
+        keep.append(t)
+        idx = np.array(keep)
+        logits = scale * q[heads][:, t, :] @ k[g, idx].T  # (group, |keep|)
+        a = np.exp(logits - logits.max(axis=1, keepdims=True))
+        a /= a.sum(axis=1, keepdims=True)
+        row = heads.index(logits_of)
+        p_comp[i, idx] = a[row]
+        kept[i, idx] = True
+        score[t] = 0.0
+        score[idx] += a.mean(axis=0)
+        # evict the lowest score outside the r most recent (earliest on ties)
+        cand = idx[: len(idx) - r] if r > 0 else idx
+        if len(idx) > b:
+            victim = cand[np.lexsort((cand, score[cand]))[0]]
+            keep.remove(victim)
+    return p_comp, kept
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--budgets", required=True)
+    ap.add_argument("--policies", default="full,snapkv,h2o,streaming_llm")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    man, layers = load(a.trace)
+    load_s = time.perf_counter() - t0
+    points = []
+    for pol in a.policies.split(","):
+        for b in [int(x) for x in a.budgets.split(",")]:
+            t1 = time.perf_counter()
+            rel, cos, mass, kl = replay(pol, b, man, layers)
+            points.append(dict(policy=pol, budget=b, seconds=time.perf_counter() - t1,
+                               rel_l2=rel, cosine=cos, attn_mass=mass, kl=kl))
+    print(json.dumps(dict(seconds=time.perf_counter() - t0, load_seconds=load_s, points=points)))
+
+
+if __name__ == "__main__":
+    main()
