@@ -325,6 +325,7 @@ fn time_rerun(model: &Model, ids: &[u32], p: usize) -> Result<f64> {
         let fo = ForwardOptions {
             colsum: None,
             probs: false,
+            attention: None,
         };
         model
             .llama

@@ -185,6 +185,7 @@ pub fn capture(
         let fo = ForwardOptions {
             colsum: Some(&mut colsum),
             probs: opts.attn_probs,
+            attention: None,
         };
         logits = model
             .llama
@@ -206,6 +207,7 @@ pub fn capture(
         let fo = ForwardOptions {
             colsum: None,
             probs: opts.attn_probs,
+            attention: None,
         };
         logits = model
             .llama

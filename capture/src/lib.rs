@@ -11,6 +11,8 @@ mod error;
 pub mod gguf;
 pub mod llama;
 pub mod tasks;
+#[doc(hidden)]
+pub mod testing;
 pub mod tokenizer;
 
 pub use capture::{capture, CaptureOptions, CaptureSummary, Phase, Progress, MAX_ATTN_PROBS_LEN};

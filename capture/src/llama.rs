@@ -240,6 +240,7 @@ impl Llama {
 }
 
 /// Keys and values of every layer: per layer (n_kv_heads, capacity, head_dim).
+#[derive(Clone)]
 pub struct KvCache {
     pub capacity: usize,
     k: Vec<Vec<f32>>,
@@ -275,7 +276,17 @@ pub struct ForwardOptions<'a> {
     pub colsum: Option<&'a mut [Vec<f32>]>,
     /// Produce attention probabilities in the taps.
     pub probs: bool,
+    /// Replace attention over `cache` with this function (a compressed cache
+    /// in closed-loop validation): called per layer with (layer, q (n_heads,
+    /// c, d), k (n_kv_heads, c, d), v (n_kv_heads, c, d)) of the new
+    /// positions, it writes o (n_heads, c, d). Column sums and probabilities
+    /// are then not produced.
+    pub attention: Option<&'a mut ExternalAttention<'a>>,
 }
+
+/// See [`ForwardOptions::attention`].
+pub type ExternalAttention<'a> =
+    dyn FnMut(usize, &[f32], &[f32], &[f32], &mut [f32]) -> Result<(), KernelError> + 'a;
 
 /// (c, heads * d) row-major  ->  (heads, c, d) head-major.
 fn to_head_major(x: &[f32], c: usize, heads: usize, d: usize) -> Vec<f32> {
@@ -367,27 +378,31 @@ impl Llama {
                 (0..nh).map(|_| None).collect()
             };
             let (kc, vc) = (&cache.k[l], &cache.v[l]);
-            o.par_chunks_mut(c * hd)
-                .zip(colsum_heads.par_iter_mut())
-                .zip(probs_heads.par_iter_mut())
-                .enumerate()
-                .try_for_each(|(head, ((out, cs), pr))| {
-                    let g = head / group;
-                    let kv = g * cap * hd..(g * cap + n) * hd;
-                    be.causal_attention_head(
-                        &q[head * c * hd..(head + 1) * c * hd],
-                        &kc[kv.clone()],
-                        &vc[kv],
-                        hd,
-                        pos0,
-                        cfg.attn_scale,
-                        out,
-                        AttentionStats {
-                            colsum: cs.as_deref_mut(),
-                            probs: pr.as_deref_mut(),
-                        },
-                    )
-                })?;
+            if let Some(f) = opts.attention.as_deref_mut() {
+                f(l, &q, &k, &v, &mut o)?;
+            } else {
+                o.par_chunks_mut(c * hd)
+                    .zip(colsum_heads.par_iter_mut())
+                    .zip(probs_heads.par_iter_mut())
+                    .enumerate()
+                    .try_for_each(|(head, ((out, cs), pr))| {
+                        let g = head / group;
+                        let kv = g * cap * hd..(g * cap + n) * hd;
+                        be.causal_attention_head(
+                            &q[head * c * hd..(head + 1) * c * hd],
+                            &kc[kv.clone()],
+                            &vc[kv],
+                            hd,
+                            pos0,
+                            cfg.attn_scale,
+                            out,
+                            AttentionStats {
+                                colsum: cs.as_deref_mut(),
+                                probs: pr.as_deref_mut(),
+                            },
+                        )
+                    })?;
+            }
             taps(LayerTaps {
                 layer: l,
                 pos0,

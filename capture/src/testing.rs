@@ -1,0 +1,178 @@
+//! Tiny llama models written as GGUF files, for tests of this crate and the
+//! crates that run a model (not part of the public API).
+#![allow(missing_docs)]
+
+use crate::gguf::write::{gguf_bytes, RawTensor};
+use crate::gguf::MetaValue;
+use std::path::{Path, PathBuf};
+
+pub const D_MODEL: u64 = 32;
+pub const HEADS: u64 = 4;
+pub const KV_HEADS: u64 = 2;
+pub const HEAD_DIM: u64 = 8;
+pub const FFN: u64 = 64;
+pub const LAYERS: usize = 2;
+pub const CONTROL: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+pub const MERGES: [&str; 5] = ["Ġ t", "h e", "Ġt he", "1 2", "12 3"];
+
+/// GPT-2's printable stand-in for every byte.
+pub fn byte_chars() -> Vec<char> {
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
+    let mut cs = bs.clone();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !bs.contains(&b) {
+            bs.push(b);
+            cs.push(256 + n);
+            n += 1;
+        }
+    }
+    let mut out = vec![' '; 256];
+    for (b, c) in bs.iter().zip(cs) {
+        out[*b as usize] = char::from_u32(c).unwrap();
+    }
+    out
+}
+
+pub fn vocab() -> (Vec<String>, Vec<u64>) {
+    let mut tokens: Vec<String> = CONTROL.iter().map(|s| s.to_string()).collect();
+    tokens.extend(byte_chars().into_iter().map(String::from));
+    tokens.extend(["Ġt", "he", "Ġthe", "12", "123"].map(String::from));
+    let types = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, _)| if i < 3 { 3 } else { 1 })
+        .collect();
+    (tokens, types)
+}
+
+pub fn weights(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let h = (i.wrapping_add(seed * 7919)).wrapping_mul(0x9E3779B97F4A7C15) >> 40;
+            ((h % 2001) as f32 / 1000.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+pub fn f32_tensor(name: &str, dims: &[u64], seed: u64, scale: f32) -> RawTensor {
+    let n = dims.iter().product::<u64>() as usize;
+    RawTensor {
+        name: name.into(),
+        dims: dims.to_vec(),
+        ggml_type: 0,
+        data: weights(n, seed, scale)
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect(),
+    }
+}
+
+/// Q8_0 blocks: scale = max|x| / 127, q = round(x / scale).
+pub fn q8_0_tensor(name: &str, dims: &[u64], seed: u64, scale: f32) -> RawTensor {
+    let n = dims.iter().product::<u64>() as usize;
+    let w = weights(n, seed, scale);
+    let mut data = Vec::new();
+    for block in w.chunks(32) {
+        let d = block.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
+        data.extend_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        data.extend(block.iter().map(|x| (x / d).round() as i8 as u8));
+    }
+    RawTensor {
+        name: name.into(),
+        dims: dims.to_vec(),
+        ggml_type: 8,
+        data,
+    }
+}
+
+pub struct Tweak {
+    pub arch: &'static str,
+    /// ggml type written for blk.0.ffn_up (0 = F32).
+    pub ffn_up_type: u32,
+    pub context: u64,
+    pub pre: &'static str,
+    /// Write an explicit output.weight (equal to the dequantised embedding).
+    pub untied: bool,
+}
+
+pub const PLAIN: Tweak = Tweak {
+    arch: "llama",
+    ffn_up_type: 0,
+    context: 64,
+    pre: "smollm",
+    untied: false,
+};
+
+pub fn tiny_gguf(dir: &Path, tweak: &Tweak) -> PathBuf {
+    let (tokens, types) = vocab();
+    let v = tokens.len() as u64;
+    let a = tweak.arch;
+    let meta: Vec<(String, MetaValue)> = vec![
+        ("general.architecture".into(), MetaValue::Str(a.into())),
+        ("general.name".into(), MetaValue::Str("tiny".into())),
+        (format!("{a}.block_count"), MetaValue::Uint(LAYERS as u64)),
+        (format!("{a}.context_length"), MetaValue::Uint(tweak.context)),
+        (format!("{a}.embedding_length"), MetaValue::Uint(D_MODEL)),
+        (format!("{a}.feed_forward_length"), MetaValue::Uint(FFN)),
+        (format!("{a}.attention.head_count"), MetaValue::Uint(HEADS)),
+        (format!("{a}.attention.head_count_kv"), MetaValue::Uint(KV_HEADS)),
+        (format!("{a}.rope.freq_base"), MetaValue::Float(10000.0)),
+        (format!("{a}.attention.layer_norm_rms_epsilon"), MetaValue::Float(1e-5)),
+        ("tokenizer.ggml.model".into(), MetaValue::Str("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), MetaValue::Str(tweak.pre.into())),
+        ("tokenizer.ggml.tokens".into(), MetaValue::Array(tokens.into_iter().map(MetaValue::Str).collect())),
+        ("tokenizer.ggml.token_type".into(), MetaValue::Array(types.into_iter().map(MetaValue::Uint).collect())),
+        ("tokenizer.ggml.merges".into(), MetaValue::Array(MERGES.iter().map(|m| MetaValue::Str(m.to_string())).collect())),
+        ("tokenizer.ggml.eos_token_id".into(), MetaValue::Uint(2)),
+        ("tokenizer.chat_template".into(), MetaValue::Str("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}".into())),
+    ];
+    let (d, q, kv, f) = (D_MODEL, HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, FFN);
+    let embd = q8_0_tensor("token_embd.weight", &[d, v], 1, 1.0);
+    let mut t = vec![f32_tensor("output_norm.weight", &[d], 2, 1.0)];
+    if tweak.untied {
+        let mut deq = vec![0f32; (d * v) as usize];
+        kvreplay_kernels::cpu::dequantize(
+            kvreplay_kernels::cpu::BlockType::Q8_0,
+            &embd.data,
+            &mut deq,
+        )
+        .unwrap();
+        let data = deq.iter().flat_map(|x| x.to_le_bytes()).collect();
+        t.push(RawTensor {
+            name: "output.weight".into(),
+            dims: vec![d, v],
+            ggml_type: 0,
+            data,
+        });
+    }
+    t.push(embd);
+    for l in 0..LAYERS as u64 {
+        let s = 100 * (l + 1);
+        let n = |x: &str| format!("blk.{l}.{x}.weight");
+        t.push(f32_tensor(&n("attn_norm"), &[d], s + 1, 1.0));
+        t.push(f32_tensor(&n("attn_q"), &[d, q], s + 2, 0.5));
+        t.push(f32_tensor(&n("attn_k"), &[d, kv], s + 3, 0.5));
+        t.push(f32_tensor(&n("attn_v"), &[d, kv], s + 4, 0.5));
+        t.push(f32_tensor(&n("attn_output"), &[q, d], s + 5, 0.3));
+        t.push(f32_tensor(&n("ffn_norm"), &[d], s + 6, 1.0));
+        t.push(f32_tensor(&n("ffn_gate"), &[d, f], s + 7, 0.3));
+        let mut up = f32_tensor(&n("ffn_up"), &[d, f], s + 8, 0.3);
+        if l == 0 && tweak.ffn_up_type != 0 {
+            up.ggml_type = tweak.ffn_up_type;
+        }
+        t.push(up);
+        t.push(f32_tensor(&n("ffn_down"), &[f, d], s + 9, 0.3));
+    }
+    let meta_refs: Vec<(&str, MetaValue)> =
+        meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let path = dir.join(format!(
+        "tiny-{a}-{}-{}-{}.gguf",
+        tweak.ffn_up_type, tweak.pre, tweak.untied
+    ));
+    std::fs::write(&path, gguf_bytes(&meta_refs, &t)).unwrap();
+    path
+}

@@ -1,0 +1,304 @@
+//! The closed loop: prefill the model once with full attention, hand every
+//! layer's prompt to a policy through the same causal interface replay uses
+//! (`PrefillCtx`), then decode with each layer attending over the policy's
+//! compressed cache and the policy acting after every step (`StepCtx`).
+
+use std::sync::Arc;
+
+use kvreplay_capture::llama::{ForwardOptions, KvCache, LayerTaps, Llama};
+use kvreplay_capture::Model;
+use kvreplay_kernels::cpu::{self, AttentionStats};
+use kvreplay_kernels::{Backend, KernelError};
+use kvreplay_replay::cache::HeadCache;
+use kvreplay_replay::policy::{LayerData, Policy, PrefillCtx, StepCtx};
+use kvreplay_replay::ReplayError;
+
+use crate::ValidateError;
+
+/// The model's state after prefilling a prompt: what every closed-loop run
+/// of that prompt starts from.
+pub struct Prefilled {
+    /// KV cache of the prompt (capacity prompt + continuation).
+    pub cache: KvCache,
+    /// Per layer, the prompt as a policy sees it (f32, live values).
+    pub layers: Vec<LayerData>,
+    /// Logits after the last prompt token.
+    pub logits: Vec<f32>,
+    pub prompt_len: usize,
+}
+
+/// Prefill `prompt` (chunks of 256) keeping q/k/v and column sums per layer.
+pub fn prefill(model: &Model, prompt: &[u32], capacity: usize) -> Result<Prefilled, ValidateError> {
+    let cfg = &model.llama.cfg;
+    let (p, d, nh, nkv, nl) = (
+        prompt.len(),
+        cfg.head_dim,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.n_layers,
+    );
+    let mut cache = KvCache::new(cfg, capacity);
+    let mut q = vec![vec![0f32; nh * p * d]; nl];
+    let mut k = vec![vec![0f32; nkv * p * d]; nl];
+    let mut v = vec![vec![0f32; nkv * p * d]; nl];
+    let mut colsum = vec![vec![0f32; nh * p]; nl];
+    let mut logits = Vec::new();
+    let mut pos = 0;
+    while pos < p {
+        let end = (pos + 256).min(p);
+        let c = end - pos;
+        let mut sink = |t: LayerTaps<'_>| {
+            // taps are head-major for this chunk: (heads, c, d) into (heads, P, d)
+            for (dst, src, heads) in [
+                (&mut q[t.layer], t.q, nh),
+                (&mut k[t.layer], t.k, nkv),
+                (&mut v[t.layer], t.v, nkv),
+            ] {
+                for h in 0..heads {
+                    dst[(h * p + pos) * d..(h * p + end) * d]
+                        .copy_from_slice(&src[h * c * d..(h + 1) * c * d]);
+                }
+            }
+        };
+        let fo = ForwardOptions {
+            colsum: Some(&mut colsum),
+            probs: false,
+            attention: None,
+        };
+        logits = model
+            .llama
+            .forward(&prompt[pos..end], pos, &mut cache, fo, &mut sink)?;
+        pos = end;
+    }
+    let all = Arc::new(colsum.clone());
+    let layers = (0..nl)
+        .map(|l| LayerData {
+            layer: l,
+            n_layers: nl,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            d,
+            scale: cfg.attn_scale,
+            prompt_len: p,
+            total_len: p,
+            q: std::mem::take(&mut q[l]),
+            k: std::mem::take(&mut k[l]),
+            v: std::mem::take(&mut v[l]),
+            colsum: colsum[l].clone(),
+            all_colsum: Some(all.clone()),
+            rope: Some(cfg.rope),
+            trace_id: None,
+            backend: Backend::Cpu,
+        })
+        .collect();
+    Ok(Prefilled {
+        cache,
+        layers,
+        logits,
+        prompt_len: p,
+    })
+}
+
+/// How the continuation is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Feed {
+    /// Feed the given tokens (the trace's continuation).
+    Teacher,
+    /// Feed the model's own greedy choice.
+    Greedy,
+}
+
+/// One closed-loop decode: the logits after each fed token, and the tokens fed.
+pub struct Decoded {
+    /// logits[i]: after feeding tokens[i] at position P + i.
+    pub logits: Vec<Vec<f32>>,
+    pub tokens: Vec<u32>,
+}
+
+/// Decode `n` tokens after `pre` with full attention (no policy): the reference.
+pub fn decode_full(
+    model: &Model,
+    pre: &Prefilled,
+    cont: &[u32],
+    n: usize,
+    feed: Feed,
+) -> Result<Decoded, ValidateError> {
+    let mut cache = pre.cache.clone();
+    let mut out = Decoded {
+        logits: Vec::new(),
+        tokens: Vec::new(),
+    };
+    let mut last = pre.logits.clone();
+    for i in 0..n {
+        let tok = next_token(feed, cont, i, &last);
+        let fo = ForwardOptions {
+            colsum: None,
+            probs: false,
+            attention: None,
+        };
+        last = model
+            .llama
+            .forward(&[tok], pre.prompt_len + i, &mut cache, fo, &mut |_| {})?;
+        out.tokens.push(tok);
+        out.logits.push(last.clone());
+    }
+    Ok(out)
+}
+
+fn next_token(feed: Feed, cont: &[u32], i: usize, last: &[f32]) -> u32 {
+    match feed {
+        Feed::Teacher => cont[i],
+        Feed::Greedy => Llama::greedy(last),
+    }
+}
+
+/// Decode `n` tokens after `pre` with `policy` at budget `b` inside the
+/// forward pass: after prefill every layer's cache is the policy's
+/// compressed cache; each step appends the new exact entry, attends over
+/// the caches and lets the policy act on that step's attention.
+pub fn decode_compressed(
+    model: &Model,
+    pre: &Prefilled,
+    policy: &dyn Policy,
+    b: usize,
+    cont: &[u32],
+    n: usize,
+    feed: Feed,
+) -> Result<Decoded, ValidateError> {
+    let cfg = &model.llama.cfg;
+    let (nl, nh, nkv, d) = (cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
+    let group = nh / nkv;
+    let groups = policy.layer_groups(nl, b, pre.prompt_len);
+    let mut caches: Vec<Vec<HeadCache>> = vec![Vec::new(); nl];
+    let mut states = Vec::new();
+    for g in &groups {
+        assert!(
+            g.windows(2).all(|w| w[1] == w[0] + 1),
+            "closed loop: layer groups must be runs of adjacent layers"
+        );
+        let ctxs: Vec<PrefillCtx> = g
+            .iter()
+            .map(|&l| PrefillCtx::new(&pre.layers[l], b))
+            .collect();
+        let (cs, st) = policy.prefill_group(&ctxs).map_err(ValidateError::Replay)?;
+        for (&l, c) in g.iter().zip(cs) {
+            caches[l] = c;
+        }
+        states.push(st);
+    }
+    let per_query: Vec<bool> = caches.iter().map(|c| c.len() == nh && nh != nkv).collect();
+    let mut kv = pre.cache.clone();
+    let mut out = Decoded {
+        logits: Vec::new(),
+        tokens: Vec::new(),
+    };
+    let mut last = pre.logits.clone();
+    for i in 0..n {
+        let pos = pre.prompt_len + i;
+        let tok = next_token(feed, cont, i, &last);
+        let mut probs: Vec<Vec<Vec<f32>>> = vec![vec![Vec::new(); nh]; nl];
+        let mut queries: Vec<Vec<f32>> = vec![Vec::new(); nl];
+        {
+            let caches = &mut caches;
+            let probs = &mut probs;
+            let queries = &mut queries;
+            let per_query = &per_query;
+            let mut attend = |l: usize,
+                              q: &[f32],
+                              k: &[f32],
+                              v: &[f32],
+                              o: &mut [f32]|
+             -> Result<(), KernelError> {
+                // one new position: q (nh, 1, d), k and v (nkv, 1, d)
+                for (c, cache) in caches[l].iter_mut().enumerate() {
+                    let g = if per_query[l] { c / group } else { c };
+                    cache.push_exact(pos, &k[g * d..(g + 1) * d], &v[g * d..(g + 1) * d]);
+                }
+                for h in 0..nh {
+                    let cache = &caches[l][if per_query[l] { h } else { h / group }];
+                    probs[l][h] = attend_head(
+                        &q[h * d..(h + 1) * d],
+                        cache,
+                        cfg.attn_scale,
+                        &mut o[h * d..(h + 1) * d],
+                    );
+                }
+                queries[l] = q.to_vec();
+                Ok(())
+            };
+            let fo = ForwardOptions {
+                colsum: None,
+                probs: false,
+                attention: Some(&mut attend),
+            };
+            last = model.llama.forward(&[tok], pos, &mut kv, fo, &mut |_| {})?;
+        }
+        // the policy acts on this step's attention, layer group by layer group
+        for (g, st) in groups.iter().zip(states.iter_mut()) {
+            let qs: Vec<Vec<&[f32]>> = g
+                .iter()
+                .map(|&l| (0..nh).map(|h| &queries[l][h * d..(h + 1) * d]).collect())
+                .collect();
+            let ctxs: Vec<StepCtx> = g
+                .iter()
+                .zip(&qs)
+                .map(|(&l, q)| StepCtx {
+                    layer: l,
+                    pos,
+                    budget: b,
+                    group,
+                    probs: &probs[l],
+                    queries: q,
+                    scale: cfg.attn_scale,
+                })
+                .collect();
+            st.step(&ctxs, &mut caches[g[0]..g[0] + g.len()]);
+        }
+        out.tokens.push(tok);
+        out.logits.push(last.clone());
+    }
+    Ok(out)
+}
+
+/// Attention of one query over a cache into `o`; returns the probabilities
+/// over its entries. A cache without logit bias goes through the model's own
+/// attention kernel (so a cache holding every position reproduces the
+/// uncompressed forward pass bit for bit); with bias, through the replay
+/// kernel.
+fn attend_head(q: &[f32], cache: &HeadCache, scale: f32, o: &mut [f32]) -> Vec<f32> {
+    let n = cache.len();
+    let d = q.len();
+    if cache.bias.iter().all(|b| *b == 0.0) {
+        let mut p = vec![0f32; n];
+        cpu::causal_attention_head(
+            q,
+            &cache.keys,
+            &cache.values,
+            d,
+            n - 1,
+            scale,
+            o,
+            AttentionStats {
+                colsum: None,
+                probs: Some(&mut p),
+            },
+        );
+        p
+    } else {
+        let mut w = vec![0f64; n];
+        let z = cpu::attend_biased(q, &cache.keys, &cache.values, &cache.bias, scale, &mut w, o);
+        w.iter().map(|x| (x / z) as f32).collect()
+    }
+}
+
+impl From<KernelError> for ValidateError {
+    fn from(e: KernelError) -> Self {
+        ValidateError::Kernel(e)
+    }
+}
+
+impl From<ReplayError> for ValidateError {
+    fn from(e: ReplayError) -> Self {
+        ValidateError::Replay(e)
+    }
+}

@@ -1,0 +1,233 @@
+//! The closed loop on tiny generated llama models: equal to the uncompressed
+//! run when nothing is compressed, equal to an independent masked forward
+//! pass for StreamingLLM, and the report end to end.
+
+use kvreplay_capture::llama::Llama;
+use kvreplay_capture::testing::{tiny_gguf, PLAIN};
+use kvreplay_capture::{capture, CaptureOptions, Model};
+use kvreplay_kernels::cpu;
+use kvreplay_replay::{PolicySpec, REGISTRY};
+use kvreplay_validate::closed_loop::{decode_compressed, decode_full, prefill, Feed};
+
+fn model(dir: &std::path::Path) -> Model {
+    Model::load(&tiny_gguf(dir, &PLAIN)).unwrap()
+}
+
+/// A prompt of 24 tokens and 6 continuation tokens of the tiny vocabulary.
+fn tokens() -> (Vec<u32>, Vec<u32>) {
+    let ids: Vec<u32> = (0..30u32).map(|i| 3 + (i * 37 + 11) % 250).collect();
+    (ids[..24].to_vec(), ids[24..].to_vec())
+}
+
+fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
+    v.iter()
+        .map(|l| l.iter().map(|x| x.to_bits()).collect())
+        .collect()
+}
+
+#[test]
+fn full_policy_reproduces_the_uncompressed_run_bit_for_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path());
+    let (prompt, cont) = tokens();
+    let pre = prefill(&m, &prompt, 30).unwrap();
+    let full = PolicySpec::parse("full").unwrap().build().unwrap();
+    for feed in [Feed::Teacher, Feed::Greedy] {
+        let a = decode_full(&m, &pre, &cont, 6, feed).unwrap();
+        let b = decode_compressed(&m, &pre, full.as_ref(), 4, &cont, 6, feed).unwrap();
+        assert_eq!(a.tokens, b.tokens, "{feed:?}");
+        assert_eq!(bits(&a.logits), bits(&b.logits), "{feed:?}");
+    }
+}
+
+/// With a budget covering every position (B >= T), no policy evicts or
+/// merges, so the closed loop is the uncompressed run. quant stores
+/// quantised values, and d2o and ems re-express keys even when nothing is
+/// dropped (replay's own test of B >= T excludes them for the same reason).
+#[test]
+fn every_policy_with_a_budget_covering_the_run_reproduces_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path());
+    let (prompt, cont) = tokens();
+    let pre = prefill(&m, &prompt, 30).unwrap();
+    let want = decode_full(&m, &pre, &cont, 6, Feed::Teacher).unwrap();
+    let mut checked = 0;
+    for info in REGISTRY
+        .iter()
+        .filter(|i| !["quant", "d2o", "ems"].contains(&i.name))
+    {
+        let p = PolicySpec::parse(info.name).unwrap().build().unwrap();
+        let got = decode_compressed(&m, &pre, p.as_ref(), 64, &cont, 6, Feed::Teacher)
+            .unwrap_or_else(|e| panic!("{}: {e}", info.name));
+        assert_eq!(bits(&got.logits), bits(&want.logits), "{}", info.name);
+        checked += 1;
+    }
+    assert!(checked >= 12, "only {checked} policies checked");
+}
+
+/// An independent forward pass without a KV cache: every position's hidden
+/// state recomputed from scratch, with query i allowed to see key j when
+/// `allowed(i, j)`; softmax in f64. Returns the logits of the last position.
+fn masked_forward(m: &Llama, ids: &[u32], allowed: &dyn Fn(usize, usize) -> bool) -> Vec<f32> {
+    let c = &m.cfg;
+    let (t, dm, hd, nh, nkv) = (ids.len(), c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
+    let mut x = vec![0f32; t * dm];
+    cpu::embedding(&m.embed, dm, ids, &mut x);
+    for w in &m.layers {
+        let mut h = x.clone();
+        cpu::rms_norm(&mut h, &w.attn_norm, c.norm_eps);
+        let (mut q, mut k, mut v) = (
+            vec![0f32; t * nh * hd],
+            vec![0f32; t * nkv * hd],
+            vec![0f32; t * nkv * hd],
+        );
+        cpu::linear(&h, &w.wq, &mut q, t, dm, nh * hd);
+        cpu::linear(&h, &w.wk, &mut k, t, dm, nkv * hd);
+        cpu::linear(&h, &w.wv, &mut v, t, dm, nkv * hd);
+        cpu::apply_rope(&mut q, nh, hd, 0, &c.rope);
+        cpu::apply_rope(&mut k, nkv, hd, 0, &c.rope);
+        let mut o = vec![0f32; t * nh * hd];
+        for i in 0..t {
+            for hh in 0..nh {
+                let g = hh / (nh / nkv);
+                let qi = &q[(i * nh + hh) * hd..(i * nh + hh + 1) * hd];
+                let js: Vec<usize> = (0..=i).filter(|&j| allowed(i, j)).collect();
+                let l: Vec<f64> = js
+                    .iter()
+                    .map(|&j| {
+                        let kj = &k[(j * nkv + g) * hd..(j * nkv + g + 1) * hd];
+                        qi.iter()
+                            .zip(kj)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                            * c.attn_scale as f64
+                    })
+                    .collect();
+                let mx = l.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = l.iter().map(|a| (a - mx).exp()).sum();
+                for (jj, &j) in js.iter().enumerate() {
+                    let p = (l[jj] - mx).exp() / z;
+                    for e in 0..hd {
+                        o[(i * nh + hh) * hd + e] += (p * v[(j * nkv + g) * hd + e] as f64) as f32;
+                    }
+                }
+            }
+        }
+        let mut a = vec![0f32; t * dm];
+        cpu::linear(&o, &w.wo, &mut a, t, nh * hd, dm);
+        x.iter_mut().zip(&a).for_each(|(p, q)| *p += q);
+        let mut h = x.clone();
+        cpu::rms_norm(&mut h, &w.ffn_norm, c.norm_eps);
+        let (mut gate, mut up) = (vec![0f32; t * c.ffn_dim], vec![0f32; t * c.ffn_dim]);
+        cpu::linear(&h, &w.w_gate, &mut gate, t, dm, c.ffn_dim);
+        cpu::linear(&h, &w.w_up, &mut up, t, dm, c.ffn_dim);
+        cpu::silu_mul(&mut gate, &up);
+        let mut down = vec![0f32; t * dm];
+        cpu::linear(&gate, &w.w_down, &mut down, t, c.ffn_dim, dm);
+        x.iter_mut().zip(&down).for_each(|(p, q)| *p += q);
+    }
+    let mut last = x[(t - 1) * dm..].to_vec();
+    cpu::rms_norm(&mut last, &m.out_norm, c.norm_eps);
+    let head = m.lm_head.as_ref().unwrap_or(&m.embed);
+    let mut logits = vec![0f32; c.vocab_size];
+    cpu::linear(&last, head, &mut logits, 1, dm, c.vocab_size);
+    logits
+}
+
+/// StreamingLLM at budget B: a decode query at position i sees the 4 sinks
+/// and positions i - (B - 4) ..= i (its own entry appended, the oldest
+/// non-sink evicted after each step); prompt queries see everything before
+/// them (prefill is uncompressed).
+#[test]
+fn streaming_llm_equals_an_independent_masked_forward_pass() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path());
+    let (prompt, cont) = tokens();
+    let (p, b) = (prompt.len(), 10usize);
+    let pre = prefill(&m, &prompt, 30).unwrap();
+    let pol = PolicySpec::parse("streaming_llm").unwrap().build().unwrap();
+    let got = decode_compressed(&m, &pre, pol.as_ref(), b, &cont, 6, Feed::Teacher).unwrap();
+    let allowed = |i: usize, j: usize| i < p || j < 4 || j + (b - 4) >= i;
+    let mut ids = prompt.clone();
+    let mut differs_from_full = false;
+    for (step, logits) in got.logits.iter().enumerate() {
+        ids.push(cont[step]);
+        let want = masked_forward(&m.llama, &ids, &allowed);
+        let full = masked_forward(&m.llama, &ids, &|_, _| true);
+        let scale = want.iter().fold(0f32, |a, x| a.max(x.abs()));
+        for (g, w) in logits.iter().zip(&want) {
+            // f32 attention in the model against f64 here, through 2 layers
+            assert!((g - w).abs() <= 1e-4 * scale, "step {step}: {g} vs {w}");
+        }
+        differs_from_full |= want
+            .iter()
+            .zip(&full)
+            .any(|(a, c)| (a - c).abs() > 1e-3 * scale);
+    }
+    assert!(
+        differs_from_full,
+        "the mask never mattered: the test would not see a wrong eviction"
+    );
+}
+
+#[test]
+fn validate_writes_rows_correlations_and_a_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path());
+    let trace = tmp.path().join("t.kvtrace");
+    let (prompt, _) = tokens();
+    let mut o = CaptureOptions::new("(tokens)", &trace);
+    o.prompt_ids = Some(prompt);
+    o.n_decode = 6;
+    capture(&m, &o, &mut |_| {}).unwrap();
+    let specs: Vec<PolicySpec> = ["full", "streaming_llm", "h2o"]
+        .iter()
+        .map(|s| PolicySpec::parse(s).unwrap())
+        .collect();
+    let rows =
+        kvreplay_validate::validate_trace(&m, &trace, &specs, &[6, 12], &mut |_, _, _| {}).unwrap();
+    assert_eq!(rows.len(), 6);
+    for r in rows.iter().filter(|r| r.policy == "full") {
+        assert_eq!(
+            (r.e2e_kl, r.e2e_top1, r.replay_rel_l2),
+            (0.0, 1.0, 0.0),
+            "{r:?}"
+        );
+        assert_eq!(r.e2e_ppl, r.full_ppl);
+    }
+    assert!(
+        rows.iter().any(|r| r.e2e_kl > 0.0),
+        "nothing was compressed"
+    );
+    let out = tmp.path().join("val");
+    let s = kvreplay_validate::report::write(&out, &rows, "test").unwrap();
+    assert_eq!(s.points, 6);
+    assert_eq!(s.correlations.len(), kvreplay_validate::PREDICTORS.len());
+    for f in ["validation.csv", "summary.json", "scatter.svg", "report.md"] {
+        assert!(out.join(f).metadata().unwrap().len() > 100, "{f}");
+    }
+    let csv = std::fs::read_to_string(out.join("validation.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 7, "header + 6 rows");
+}
+
+#[test]
+fn a_trace_from_another_model_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path());
+    let trace = tmp.path().join("t.kvtrace");
+    let mut o = CaptureOptions::new("(tokens)", &trace);
+    o.prompt_ids = Some(tokens().0);
+    o.n_decode = 3;
+    capture(&m, &o, &mut |_| {}).unwrap();
+    let mut tw = PLAIN;
+    tw.untied = true;
+    let other = Model::load(&tiny_gguf(tmp.path(), &tw)).unwrap();
+    let specs = [PolicySpec::parse("full").unwrap()];
+    let e = kvreplay_validate::validate_trace(&other, &trace, &specs, &[4], &mut |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("was captured from") && e.contains("pass the model"),
+        "{e}"
+    );
+}
