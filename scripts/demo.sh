@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The demo: fetch the default model if needed, capture the default task suite
 # (pass key retrieval at 512, 1024, 2048 and 4096 tokens), sweep every
-# baseline and seed method over budgets 32 to 1024, and write the CSVs, plots
-# and report into results/. Rerunning resumes whatever is missing.
+# baseline and seed method over budgets 32 to 1024, write the CSVs, plots
+# and report into results/, then rerun the model closed-loop on one trace to
+# check replay against it. Rerunning resumes whatever is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh
@@ -20,7 +21,11 @@ echo
 echo "mean relative L2 error over the suite at budget 128 (lower is better):"
 awk -F, 'NR > 1 && $3 == 128 { s[$2] += $4; n[$2]++ } END { for (p in s) printf "  %-14s %.4f\n", p, s[p] / n[p] }' results/sweep/summary.csv | sort -k2 -n
 echo
+echo "== closed-loop check on one trace: does replay error predict the model's own (about 1 minute)"
+"$kv" validate --trace results/suite/passkey-0512-d10.kvtrace --policy streaming_llm h2o snapkv tova --budget 32,64,128,256 --out results/validate
+echo
 echo "report:  results/sweep/report.html (open it in a browser)"
 echo "tables:  results/sweep/summary.csv, results/sweep/results.csv"
 echo "plots:   results/sweep/*.svg"
+echo "closed loop: results/validate/report.md (the full suite: see the README, \"Does replay predict the model?\")"
 echo "next:    $kv claims --trace results/suite/passkey-1024-d40.kvtrace   (the seed papers' claims)"
