@@ -14,7 +14,7 @@ pub fn cv(x: &[f64]) -> f64 {
 }
 
 /// Average ranks (ties share the mean rank), 1-based.
-fn ranks(x: &[f64]) -> Vec<f64> {
+pub fn ranks(x: &[f64]) -> Vec<f64> {
     let mut idx: Vec<usize> = (0..x.len()).collect();
     idx.sort_by(|&a, &b| x[a].partial_cmp(&x[b]).unwrap_or(std::cmp::Ordering::Equal));
     let mut r = vec![0.0; x.len()];

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use kvreplay_analysis::stats::spearman;
+use kvreplay_analysis::stats::{ranks, spearman};
 use plotters::prelude::*;
 use serde::Serialize;
 
@@ -48,25 +48,6 @@ fn rho(rows: &[&Row], f: fn(&Row) -> f64) -> f64 {
     let x: Vec<f64> = rows.iter().map(|r| f(r)).collect();
     let y: Vec<f64> = rows.iter().map(|r| r.e2e_kl).collect();
     spearman(&x, &y)
-}
-
-/// Average ranks of `x` (1-based, ties share).
-fn ranks(x: &[f64]) -> Vec<f64> {
-    let mut idx: Vec<usize> = (0..x.len()).collect();
-    idx.sort_by(|&a, &b| x[a].partial_cmp(&x[b]).unwrap_or(std::cmp::Ordering::Equal));
-    let mut r = vec![0.0; x.len()];
-    let mut i = 0;
-    while i < idx.len() {
-        let mut j = i;
-        while j + 1 < idx.len() && x[idx[j + 1]] == x[idx[i]] {
-            j += 1;
-        }
-        for k in i..=j {
-            r[idx[k]] = (i + j) as f64 / 2.0 + 1.0;
-        }
-        i = j + 1;
-    }
-    r
 }
 
 /// The summary of `rows`: correlations on all points, the best predictor

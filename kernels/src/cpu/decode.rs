@@ -98,6 +98,19 @@ pub fn attend_biased(
     attend_biased_generic(q, keys, values, bias, scale, w, out)
 }
 
+/// [`dot`]'s final reduction of an 8-lane accumulator:
+/// (a0+a4, a1+a5, a2+a6, a3+a7), then ((s0+s1)+(s2+s3)).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn reduce8(a: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    let mut l = [0f32; 4];
+    _mm_storeu_ps(l.as_mut_ptr(), s);
+    (l[0] + l[1]) + (l[2] + l[3])
+}
+
 /// [`attend_biased`] for `nq` queries over one cache (GQA: the query heads of
 /// a KV head): `q` (nq, d), `w` (nq, n), `z` (nq,), `out` (nq, d). Each
 /// query's results are bit-identical to [`attend_biased`]; keys and values
@@ -175,13 +188,6 @@ unsafe fn attend_multi_avx2(
     let m = z.len();
     let n = bias.len();
     let d = q.len() / m;
-    #[inline(always)]
-    unsafe fn reduce(a: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        let mut l = [0f32; 4];
-        _mm_storeu_ps(l.as_mut_ptr(), s);
-        (l[0] + l[1]) + (l[2] + l[3])
-    }
     let (qp, kp, vp) = (q.as_ptr(), keys.as_ptr(), values.as_ptr());
     // the tail of dot (d % 8 elements) is empty here: d is a multiple of 32,
     // and `Iterator::sum` of nothing is -0.0, which `+` leaves unchanged
@@ -198,7 +204,7 @@ unsafe fn attend_multi_avx2(
             i += 8;
         }
         for j in 0..m {
-            let l = (reduce(a[j]) + tail0) * scale + bias[e];
+            let l = (reduce8(a[j]) + tail0) * scale + bias[e];
             w[j * n + e] = l as f64;
             mx[j] = mx[j].max(l);
         }
@@ -256,14 +262,6 @@ unsafe fn attend_biased_avx2(
     use std::arch::x86_64::*;
     let d = q.len();
     let n = bias.len();
-    // (a0+a4, a1+a5, a2+a6, a3+a7) then ((s0+s1)+(s2+s3)): dot's reduction
-    #[inline(always)]
-    unsafe fn reduce(a: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        let mut l = [0f32; 4];
-        _mm_storeu_ps(l.as_mut_ptr(), s);
-        (l[0] + l[1]) + (l[2] + l[3])
-    }
     let body = d - d % 8;
     let tail = |e: usize| -> f32 {
         q[body..]
@@ -302,7 +300,7 @@ unsafe fn attend_biased_avx2(
             i += 8;
         }
         for (j, a) in [a0, a1, a2, a3].into_iter().enumerate() {
-            let l = (reduce(a) + tail(e + j)) * scale + bias[e + j];
+            let l = (reduce8(a) + tail(e + j)) * scale + bias[e + j];
             w[e + j] = l as f64;
             mx = mx.max(l);
         }
@@ -321,7 +319,7 @@ unsafe fn attend_biased_avx2(
             );
             i += 8;
         }
-        let l = (reduce(a) + tail(e)) * scale + bias[e];
+        let l = (reduce8(a) + tail(e)) * scale + bias[e];
         w[e] = l as f64;
         mx = mx.max(l);
         e += 1;
@@ -362,6 +360,7 @@ unsafe fn attend_biased_avx2(
     z
 }
 
+/// The portable body of [`attend_biased`] (shapes checked by the caller).
 #[inline(always)]
 fn attend_biased_generic(
     q: &[f32],
@@ -374,10 +373,6 @@ fn attend_biased_generic(
 ) -> f64 {
     let d = q.len();
     let n = bias.len();
-    assert!(
-        keys.len() == n * d && values.len() == n * d && w.len() == n && out.len() == d,
-        "attend_biased: shapes do not match (n={n}, d={d})"
-    );
     let mut mx = f32::NEG_INFINITY;
     let row = |e: usize| &keys[e * d..(e + 1) * d];
     let quads = n - n % 4;
