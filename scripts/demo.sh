@@ -13,7 +13,7 @@ mkdir -p results
 echo "== capturing the default suite into results/suite (about 1-2 minutes)"
 "$kv" capture --suite default --decode 16 --out results/suite
 "$kv" verify results/suite/passkey-0512-d10.kvtrace
-echo "== sweeping every policy over budgets 32..1024 into results/sweep (about 5 minutes)"
+echo "== sweeping every policy over budgets 32..1024 into results/sweep (about 2 minutes)"
 policies=$("$kv" policies | grep -E '^[a-z_0-9]+' -o | tr '\n' ' ')
 # shellcheck disable=SC2086
 "$kv" sweep --traces results/suite --policy $policies --budget 32,64,128,256,512,1024 --out results/sweep

@@ -153,7 +153,7 @@ pub fn write(out: &Path, rows: &[Row], command: &str) -> Result<Summary, Validat
     md += "# Closed-loop validation\n\n";
     md += &format!("`{command}`\n\n");
     md += &format!(
-        "{} points over {} traces. Cost per point: closed loop (teacher-forced + free-running decode) {:.2} s, replay {:.2} s.\n\n",
+        "{} points over {} trace(s). Cost per point: closed loop (teacher-forced + free-running decode) {:.2} s, replay {:.2} s.\n\n",
         s.points,
         s.traces.len(),
         s.closed_loop_seconds_per_point,
