@@ -860,9 +860,15 @@ fn capture_suite(a: &CaptureArgs, suite: &str, model_path: &Path) -> Result<()> 
     }
     let mut model = Model::load(model_path)
         .with_context(|| format!("loading model {}", model_path.display()))?;
-    model.llama.set_backend(open_device(a.device)?);
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let items = kvreplay_capture::tasks::default_suite();
+    if a.force
+        || items
+            .iter()
+            .any(|(name, _)| !a.out.join(name).join("manifest.json").exists())
+    {
+        model.llama.set_backend(open_device(a.device)?);
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let bar = ProgressBar::new(items.len() as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} traces ({elapsed}, eta {eta}) {msg}")
