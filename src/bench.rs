@@ -27,6 +27,14 @@ pub fn filler_text(words: usize) -> String {
     s
 }
 
+/// Exactly `n` token ids of filler text (one word is at least one token).
+fn filler_ids(model: &Model, n: usize) -> Result<Vec<u32>> {
+    let mut ids = model.tokenizer.encode(&filler_text(n))?;
+    anyhow::ensure!(ids.len() >= n, "filler text too short");
+    ids.truncate(n);
+    Ok(ids)
+}
+
 pub struct CaptureBench {
     pub model: PathBuf,
     pub prompt_tokens: usize,
@@ -48,9 +56,7 @@ fn median(v: &mut [f64]) -> f64 {
 pub fn bench_capture(b: &CaptureBench) -> Result<()> {
     let model =
         Model::load(&b.model).with_context(|| format!("loading model {}", b.model.display()))?;
-    let mut ids = model.tokenizer.encode(&filler_text(b.prompt_tokens))?;
-    anyhow::ensure!(ids.len() >= b.prompt_tokens, "filler text too short");
-    ids.truncate(b.prompt_tokens);
+    let ids = filler_ids(&model, b.prompt_tokens)?;
     let dir = std::env::temp_dir().join(format!("kvreplay-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     println!(
@@ -118,10 +124,8 @@ fn bench_trace(
     let out = trace.clone().unwrap_or_else(|| tmp.join("bench.kvtrace"));
     let model_path = crate::cli::resolve_model(model.clone())?;
     let model = Model::load(&model_path)?;
-    let mut ids = model.tokenizer.encode(&filler_text(2048))?;
-    ids.truncate(2048);
     let mut o = CaptureOptions::new("(benchmark filler)", out);
-    o.prompt_ids = Some(ids);
+    o.prompt_ids = Some(filler_ids(&model, 2048)?);
     o.n_decode = 64;
     println!(
         "capturing a 2048 + 64 token trace of {} into {} ...",
@@ -361,11 +365,8 @@ pub fn bench_scaling(b: &ScalingBench) -> Result<()> {
                 model = Some(Model::load(&crate::cli::resolve_model(b.model.clone())?)?);
             }
             let model = model.as_ref().expect("loaded");
-            let mut ids = model.tokenizer.encode(&filler_text(len + len / 4 + 16))?;
-            anyhow::ensure!(ids.len() >= len, "filler text too short");
-            ids.truncate(len);
             let mut o = CaptureOptions::new("(benchmark filler)", &dir);
-            o.prompt_ids = Some(ids);
+            o.prompt_ids = Some(filler_ids(model, len)?);
             o.n_decode = 64;
             o.force = true;
             o.beyond_context = true;

@@ -494,7 +494,7 @@ pub fn replay_on(
     }
     let b = budget.resolve(m.prompt_len())?;
     let colsums = prompt_colsums(trace);
-    let memo_id = format!("{}@{}", trace_identity(trace), backend.device().name());
+    let memo_id = crate::policy::device_trace_id(&trace_identity(trace), backend);
     let groups = policy.layer_groups(trace.n_layers(), b, m.prompt_len());
     let results = groups
         .par_iter()

@@ -45,13 +45,19 @@ pub struct LayerData {
     pub backend: kvreplay_kernels::Backend,
 }
 
+/// The key under which budget-independent results of a trace are kept:
+/// the trace's identity and the device (results differ between devices).
+pub fn device_trace_id(trace_id: &str, backend: &kvreplay_kernels::Backend) -> String {
+    format!("{trace_id}@{}", backend.device().name())
+}
+
 impl LayerData {
     /// Compute on `backend`; budget-independent results are then kept apart
     /// from those of other devices.
     pub fn set_backend(&mut self, backend: &kvreplay_kernels::Backend) {
         if let Some(id) = &self.trace_id {
             let base = id.split('@').next().unwrap_or(id);
-            self.trace_id = Some(format!("{base}@{}", backend.device().name()).into());
+            self.trace_id = Some(device_trace_id(base, backend).into());
         }
         self.backend = backend.clone();
     }

@@ -103,13 +103,15 @@ fn predictors(r: &ReplayResult, row: &mut Row) {
         / wsum;
 }
 
+/// log Σ exp(x), max-shifted, in f64.
+fn log_sum_exp(x: &[f32]) -> f64 {
+    let m = x.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b)) as f64;
+    m + x.iter().map(|v| (*v as f64 - m).exp()).sum::<f64>().ln()
+}
+
 /// KL(p || q) of two logit vectors' softmax distributions, in f64.
 pub fn kl_logits(p: &[f32], q: &[f32]) -> f64 {
-    let lse = |x: &[f32]| {
-        let m = x.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b)) as f64;
-        m + x.iter().map(|v| (*v as f64 - m).exp()).sum::<f64>().ln()
-    };
-    let (lp, lq) = (lse(p), lse(q));
+    let (lp, lq) = (log_sum_exp(p), log_sum_exp(q));
     p.iter()
         .zip(q)
         .map(|(a, b)| {
@@ -122,13 +124,7 @@ pub fn kl_logits(p: &[f32], q: &[f32]) -> f64 {
 
 /// -log softmax(logits)[target].
 fn nll(logits: &[f32], target: u32) -> f64 {
-    let m = logits.iter().fold(f32::NEG_INFINITY, |a, b| a.max(*b)) as f64;
-    let lse = m + logits
-        .iter()
-        .map(|v| (*v as f64 - m).exp())
-        .sum::<f64>()
-        .ln();
-    lse - logits[target as usize] as f64
+    log_sum_exp(logits) - logits[target as usize] as f64
 }
 
 /// The digits of the trace's `needle` span, if it has one with digits.
