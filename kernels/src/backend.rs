@@ -334,17 +334,6 @@ impl Backend {
         }
     }
 
-    /// Indices of the `k` best scores (ties: later position first), ascending.
-    pub fn top_k(&self, scores: &[f32], pos: &[u32], k: usize) -> Result<Vec<usize>, KernelError> {
-        check(scores.len() == pos.len(), "top_k", || {
-            "scores and positions differ in length".into()
-        })?;
-        match self {
-            Backend::Cpu => Ok(cpu::top_k(scores, pos, k)),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.top_k(scores, pos, k),
-        }
-    }
 }
 
 fn check(ok: bool, op: &'static str, msg: impl FnOnce() -> String) -> Result<(), KernelError> {

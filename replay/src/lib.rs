@@ -14,10 +14,14 @@ pub mod memo;
 pub mod output;
 pub mod policies;
 pub mod policy;
+pub mod scorer;
+pub mod select;
 pub mod spec;
 
 pub use cache::HeadCache;
 pub use engine::{replay, replay_layer, replay_on, Budget, HeadMetrics, ReplayResult, Retained};
 pub use error::ReplayError;
 pub use policies::{PolicyInfo, REGISTRY};
+pub use policy::{LayerData, Policy, PrefillCtx, StepCtx};
+pub use scorer::{Scorer, StepScorer, TopK, Unit};
 pub use spec::PolicySpec;

@@ -333,18 +333,7 @@ impl DecodeState for AppendOnly {
     fn step(&mut self, _: &StepCtx, _: &mut [HeadCache]) {}
 }
 
-pub use kvreplay_kernels::cpu::{dot, softmax_in_place};
-
-/// Cosine similarity in f64 (0 when either vector is zero).
-pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        ab += *x as f64 * *y as f64;
-        aa += (*x as f64).powi(2);
-        bb += (*y as f64).powi(2);
-    }
-    ab / (aa.sqrt() * bb.sqrt()).max(1e-12)
-}
+pub use kvreplay_kernels::cpu::{cosine, dot, l2_norm, softmax_in_place};
 
 /// Element-wise mean of equally long rows, summed in row order.
 pub fn mean_rows<'a>(rows: impl Iterator<Item = &'a [f32]>) -> Vec<f32> {
@@ -362,40 +351,6 @@ pub fn mean_rows<'a>(rows: impl Iterator<Item = &'a [f32]>) -> Vec<f32> {
     out
 }
 
-/// Indices of the `k` best of `candidates` by (score descending, position
-/// descending), returned ascending. `pos` maps a candidate to its position.
-pub fn top_k(
-    scores: &[f32],
-    candidates: &[usize],
-    k: usize,
-    pos: impl Fn(usize) -> usize,
-) -> Vec<usize> {
-    let mut c = candidates.to_vec();
-    c.sort_by(|&a, &b| {
-        scores[b]
-            .partial_cmp(&scores[a])
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(pos(b).cmp(&pos(a)))
-    });
-    c.truncate(k);
-    c.sort_unstable();
-    c
-}
-
-/// The victim among `candidates`: lowest score, earliest position on ties.
-pub fn victim(
-    scores: &[f32],
-    candidates: impl Iterator<Item = usize>,
-    pos: impl Fn(usize) -> usize,
-) -> Option<usize> {
-    candidates.min_by(|&a, &b| {
-        scores[a]
-            .partial_cmp(&scores[b])
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(pos(a).cmp(&pos(b)))
-    })
-}
-
 /// 1-D pooling along positions, kernel `k` (odd), stride 1, padding k/2.
 /// Max ignores the padding; average counts the zero padding (divides by k), as PyTorch does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -403,6 +358,18 @@ pub enum Pool {
     Max,
     Avg,
     None,
+}
+
+impl std::str::FromStr for Pool {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Pool, ()> {
+        match s {
+            "max" => Ok(Pool::Max),
+            "avg" => Ok(Pool::Avg),
+            "none" => Ok(Pool::None),
+            _ => Err(()),
+        }
+    }
 }
 
 pub fn pool1d(x: &[f32], k: usize, pool: Pool) -> Vec<f32> {
@@ -452,15 +419,6 @@ impl SplitMix64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn top_k_breaks_ties_towards_later_positions() {
-        let s = [1.0, 3.0, 3.0, 2.0, 3.0];
-        let all: Vec<usize> = (0..5).collect();
-        assert_eq!(top_k(&s, &all, 2, |i| i), vec![2, 4]);
-        assert_eq!(top_k(&s, &all, 4, |i| i), vec![1, 2, 3, 4]);
-        assert_eq!(victim(&[2.0, 1.0, 1.0], 0..3, |i| i), Some(1));
-    }
 
     #[test]
     fn pooling_edges() {

@@ -4,8 +4,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::policies::{find, PolicyInfo, REGISTRY};
+use crate::policies::{find, scorer_names, Build, PolicyInfo, REGISTRY};
 use crate::policy::Policy;
+use crate::scorer::TopK;
 use crate::ReplayError;
 
 /// Kind of a parameter's value, for validation and help.
@@ -22,6 +23,8 @@ pub enum Kind {
     IntOr(&'static str),
     /// A number or the given word (e.g. `budget`).
     FloatOr(&'static str),
+    /// The name of a registered scorer (`kvreplay policies` marks them).
+    Scorer,
 }
 
 /// A parameter a policy accepts.
@@ -37,7 +40,7 @@ pub struct ParamInfo {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Params {
     pub policy: &'static str,
-    pub values: BTreeMap<&'static str, String>,
+    pub values: BTreeMap<String, String>,
 }
 
 impl Params {
@@ -73,6 +76,32 @@ impl Params {
     }
     pub fn word(&self, key: &str) -> &str {
         self.raw(key)
+    }
+    /// A `Choice` parameter as its typed value.
+    pub fn choice<T: std::str::FromStr>(&self, key: &str) -> Result<T, ReplayError> {
+        self.raw(key)
+            .parse()
+            .map_err(|_| self.bad(key, "not a valid choice".into()))
+    }
+    /// For a scorer wrapper: the chosen scorer and its parameters.
+    pub fn scorer_params(&self) -> Result<Params, ReplayError> {
+        let name = self.word("scorer");
+        let info = find(name).filter(|i| i.is_scorer()).ok_or_else(|| {
+            self.bad("scorer", format!("expected a scorer: {}", scorer_names().join(", ")))
+        })?;
+        let own = find(self.policy).map(|i| i.params).unwrap_or(&[]);
+        let values = info
+            .params
+            .iter()
+            .map(|p| {
+                let key = scorer_key(own, info.name, p.name);
+                (p.name.to_string(), self.raw(&key).to_string())
+            })
+            .collect();
+        Ok(Params {
+            policy: info.name,
+            values,
+        })
     }
     pub fn int_list(&self, key: &str) -> Result<Vec<usize>, ReplayError> {
         let s = self.raw(key);
@@ -131,6 +160,13 @@ fn check_value(info: &PolicyInfo, p: &ParamInfo, value: &str) -> Result<(), Repl
             || value.parse::<f64>().map(|x| x.is_finite()).unwrap_or(false))
         .then_some(())
         .ok_or_else(|| bad(format!("expected a number or `{word}`"))),
+        Kind::Scorer => {
+            let names = scorer_names();
+            names
+                .contains(&value)
+                .then_some(())
+                .ok_or_else(|| bad(format!("expected a scorer: {}", names.join(", "))))
+        }
         Kind::IntList => {
             if value.is_empty()
                 || value == "none"
@@ -144,6 +180,58 @@ fn check_value(info: &PolicyInfo, p: &ParamInfo, value: &str) -> Result<(), Repl
             }
         }
     }
+}
+
+/// The name under which a scorer wrapper accepts its scorer's parameter
+/// `name`: as is, or `SCORER.name` when the wrapper has a parameter of that name.
+fn scorer_key(own: &[ParamInfo], scorer: &str, name: &str) -> String {
+    if own.iter().any(|p| p.name == name) {
+        format!("{scorer}.{name}")
+    } else {
+        name.to_string()
+    }
+}
+
+/// Every parameter `info` accepts with its default, for a spec whose given
+/// `key=value` pairs are `given` (a scorer wrapper's set depends on the scorer).
+fn accepted(
+    info: &'static PolicyInfo,
+    given: &[(&str, &str)],
+) -> Result<Vec<(String, ParamInfo, String)>, ReplayError> {
+    let mut out: Vec<(String, ParamInfo, String)> = info
+        .params
+        .iter()
+        .map(|p| (p.name.to_string(), *p, p.default.to_string()))
+        .collect();
+    if let Build::ScorerWrapper {
+        default_scorer,
+        scorer_defaults,
+        ..
+    } = info.build
+    {
+        let name = given
+            .iter()
+            .find(|(k, _)| *k == "scorer")
+            .map(|(_, v)| *v)
+            .unwrap_or(default_scorer);
+        let sc = find(name).filter(|i| i.is_scorer()).ok_or_else(|| ReplayError::BadParam {
+            policy: info.name.into(),
+            key: "scorer".into(),
+            value: name.into(),
+            msg: format!("expected a scorer: {}", scorer_names().join(", ")),
+        })?;
+        for p in sc.params {
+            let default = scorer_defaults
+                .iter()
+                .find(|(k, _)| *k == p.name)
+                .map_or(p.default, |(_, v)| *v);
+            out.push((scorer_key(info.params, sc.name, p.name), *p, default.to_string()));
+        }
+        if let Some(x) = out.iter_mut().find(|x| x.0 == "scorer") {
+            x.2 = default_scorer.to_string();
+        }
+    }
+    Ok(out)
 }
 
 /// Parse one `name[:k=v,...]` element.
@@ -160,36 +248,33 @@ pub fn parse_one(s: &str) -> Result<Params, ReplayError> {
             .collect::<Vec<_>>()
             .join(", "),
     })?;
-    let mut values: BTreeMap<&'static str, String> = info
-        .params
-        .iter()
-        .map(|p| (p.name, p.default.to_string()))
-        .collect();
+    let mut given = Vec::new();
     if let Some(rest) = rest.filter(|r| !r.trim().is_empty()) {
         for kv in rest.split(',') {
             let (k, v) = kv.split_once('=').ok_or_else(|| ReplayError::BadSpec {
                 spec: s.into(),
                 msg: format!("`{kv}` is not key=value"),
             })?;
-            let (k, v) = (k.trim(), v.trim());
-            let p = info.params.iter().find(|p| p.name == k).ok_or_else(|| {
-                ReplayError::UnknownParam {
-                    policy: info.name.into(),
-                    key: k.into(),
-                    valid: if info.params.is_empty() {
-                        "none".into()
-                    } else {
-                        info.params
-                            .iter()
-                            .map(|p| p.name)
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    },
-                }
-            })?;
-            check_value(info, p, v)?;
-            values.insert(p.name, v.to_string());
+            given.push((k.trim(), v.trim()));
         }
+    }
+    let params = accepted(info, &given)?;
+    let mut values: BTreeMap<String, String> =
+        params.iter().map(|(k, _, d)| (k.clone(), d.clone())).collect();
+    for (k, v) in given {
+        let (key, p, _) = params.iter().find(|x| x.0 == k).ok_or_else(|| {
+            ReplayError::UnknownParam {
+                policy: info.name.into(),
+                key: k.into(),
+                valid: if params.is_empty() {
+                    "none".into()
+                } else {
+                    params.iter().map(|x| x.0.as_str()).collect::<Vec<_>>().join(", ")
+                },
+            }
+        })?;
+        check_value(info, p, v)?;
+        values.insert(key.clone(), v.to_string());
     }
     Ok(Params {
         policy: info.name,
@@ -213,7 +298,7 @@ impl PolicySpec {
         }
         let parts = s.split('+').map(parse_one).collect::<Result<Vec<_>, _>>()?;
         for (i, p) in parts.iter().enumerate() {
-            let wrapper = find(p.policy).map(|i| i.wrapper).unwrap_or(false);
+            let wrapper = find(p.policy).is_some_and(|i| i.is_wrapper());
             if i > 0 && !wrapper {
                 return Err(ReplayError::BadSpec {
                     spec: s.into(),
@@ -222,7 +307,7 @@ impl PolicySpec {
                         p.policy,
                         REGISTRY
                             .iter()
-                            .filter(|i| i.wrapper)
+                            .filter(|i| i.is_wrapper())
                             .map(|i| i.name)
                             .collect::<Vec<_>>()
                             .join(", ")
@@ -253,15 +338,27 @@ impl PolicySpec {
 
     /// Build the policy object.
     pub fn build(&self) -> Result<Arc<dyn Policy>, ReplayError> {
-        let mut it = self.parts.iter();
-        let first = it.next().expect("a spec has a base");
-        let info = find(first.policy).expect("parsed names exist");
-        let mut policy: Arc<dyn Policy> = (info.build)(first, None)?;
-        for w in it {
-            let info = find(w.policy).expect("parsed names exist");
-            policy = (info.build)(w, Some(policy))?;
+        let mut policy: Option<Arc<dyn Policy>> = None;
+        for part in &self.parts {
+            let info = find(part.policy).expect("parsed names exist");
+            policy = Some(match (info.build, policy) {
+                (Build::Policy(f), None) => f(part)?,
+                (Build::Scorer(f), None) => Arc::new(TopK::new(f(part)?)),
+                (Build::ScorerWrapper { build, .. }, None) => {
+                    let sp = part.scorer_params()?;
+                    let scorer = match find(sp.policy).map(|i| i.build) {
+                        Some(Build::Scorer(f)) => f(&sp)?,
+                        _ => unreachable!("scorer_params names a scorer"),
+                    };
+                    build(part, scorer)?
+                }
+                (Build::Wrapper(f), inner) => {
+                    f(part, inner.unwrap_or_else(|| Arc::new(crate::policies::full::Full)))?
+                }
+                (_, Some(_)) => unreachable!("parse admits only wrappers after `+`"),
+            });
         }
-        Ok(policy)
+        Ok(policy.expect("a spec has a base"))
     }
 }
 

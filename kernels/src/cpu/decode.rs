@@ -500,33 +500,6 @@ pub fn softmax_in_place(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// The `k` best items by (score descending, position descending), as indices
-/// into `scores`, ascending. Positions must be distinct. NaN scores rank last.
-pub fn top_k(scores: &[f32], pos: &[u32], k: usize) -> Vec<usize> {
-    assert_eq!(
-        scores.len(),
-        pos.len(),
-        "top_k: scores and positions differ in length"
-    );
-    let key = |i: usize| {
-        if scores[i].is_nan() {
-            f32::NEG_INFINITY
-        } else {
-            scores[i]
-        }
-    };
-    let mut idx: Vec<usize> = (0..scores.len()).collect();
-    idx.sort_by(|&a, &b| {
-        key(b)
-            .partial_cmp(&key(a))
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(pos[b].cmp(&pos[a]))
-    });
-    idx.truncate(k);
-    idx.sort_unstable();
-    idx
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -640,12 +613,4 @@ mod tests {
         }
     }
 
-    #[test]
-    fn top_k_breaks_ties_towards_later_positions() {
-        let s = [1.0, 3.0, 3.0, f32::NAN, 2.0];
-        let p = [0, 1, 2, 3, 4];
-        assert_eq!(top_k(&s, &p, 2), vec![1, 2]);
-        assert_eq!(top_k(&s, &p, 1), vec![2]);
-        assert_eq!(top_k(&s, &p, 4), vec![0, 1, 2, 4]);
-    }
 }

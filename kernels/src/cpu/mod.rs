@@ -6,10 +6,11 @@ pub mod dequant;
 pub mod linear;
 pub mod norm;
 pub mod rope;
+pub mod vector;
 
 pub use attention::{causal_attention_head, AttentionStats};
 pub use decode::{
-    attend_biased, attend_biased_multi, attention_rows, dot, dot_rows, softmax_in_place, top_k,
+    attend_biased, attend_biased_multi, attention_rows, dot, dot_rows, softmax_in_place,
 };
 pub use dequant::{dequantize, BlockType};
 pub use linear::linear;
@@ -17,3 +18,4 @@ pub use norm::{argmax, embedding, rms_norm, silu_mul};
 pub use rope::{
     apply_rope, rope_table, rotate_with_table, unapply_rope, RopeCache, RopeParams, RopeStyle,
 };
+pub use vector::{cosine, l2_norm, l2_norm_f32, softmax_f64_norm};

@@ -115,18 +115,3 @@ extern "C" __global__ void attention_rows(const float* q, const float* keys, con
     for (int j = threadIdx.x; j < n; j += BLOCK) row[j] = j < len ? row[j] * inv : 0.0f;
 }
 
-// Top-k by rank counting: keep[a] = 1 when fewer than k items beat a, where b
-// beats a if its score is larger, or equal with a later position. NaN counts
-// as -inf. Exact and deterministic; O(n^2), fine for cache-sized n.
-extern "C" __global__ void top_k_mask(const float* s, const unsigned int* pos, u8* keep, int n,
-                                      int k) {
-    i64 a = global_id();
-    if (a >= n) return;
-    float sa = isnan(s[a]) ? -INFINITY : s[a];
-    int rank = 0;
-    for (int b = 0; b < n; ++b) {
-        float sb = isnan(s[b]) ? -INFINITY : s[b];
-        if (sb > sa || (sb == sa && pos[b] > pos[a])) ++rank;
-    }
-    keep[a] = rank < k ? 1 : 0;
-}

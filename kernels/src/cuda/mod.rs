@@ -442,22 +442,4 @@ impl Cuda {
         unsafe { b.launch(rows(r, 256)) }.map_err(cu("attention_rows"))?;
         self.down(&od, out)
     }
-
-    pub fn top_k(&self, scores: &[f32], pos: &[u32], k: usize) -> Result<Vec<usize>, KernelError> {
-        let _g = self.lock.lock().unwrap();
-        let n = scores.len();
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let (sd, pd) = (self.up(scores)?, self.up(pos)?);
-        let mut kd = self.zeros::<u8>(n)?;
-        let (ni, ki) = (n as i32, k.min(n) as i32);
-        let mut b = self.stream.launch_builder(self.f("top_k_mask"));
-        b.arg(&sd).arg(&pd).arg(&mut kd).arg(&ni).arg(&ki);
-        // SAFETY: one thread per item.
-        unsafe { b.launch(grid_1d(n)) }.map_err(cu("top_k"))?;
-        let mut keep = vec![0u8; n];
-        self.down(&kd, &mut keep)?;
-        Ok((0..n).filter(|&i| keep[i] == 1).collect())
-    }
 }

@@ -45,7 +45,6 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
             "column_sums",
             "attend_biased",
             "attention_rows",
-            "top_k_mask",
         ],
     ),
 ];

@@ -1,6 +1,5 @@
-//! AhaKV: recent accumulation, step-gain softmax and a value prior.
-//!
-//! Rule (../shared/specs/ahakv.md §2): per KV head, score the prompt with the
+//! AhaKV: recent accumulation, step-gain softmax and a value prior
+//! (docs/methods/ahakv.md; spec §2): per KV head, score the prompt with the
 //! last W = min(B_r, n) query rows only (Recent Accumulation), each row's
 //! logits multiplied by the gain g(c) = √(2·max(0, ln(c/k))), c = p + 1 keys
 //! visible, k = B (Step-Gain softmax); F = group mean of the rows' sums.
@@ -13,9 +12,11 @@
 
 use std::sync::Arc;
 
-use super::PolicyInfo;
+use super::{Build, Caps, PolicyInfo};
 use crate::cache::HeadCache;
-use crate::policy::{dot, AppendOnly, DecodeState, Policy, PrefillCtx, StepCtx};
+use crate::policy::{dot, PrefillCtx, StepCtx};
+use crate::scorer::{Scorer, Selected, StepScorer, Unit};
+use crate::select::{Protect, Tie};
 use crate::spec::{Kind, ParamInfo, Params};
 use crate::ReplayError;
 
@@ -39,12 +40,30 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "n_sink", default: "0", kind: Kind::Int, help: "extension: first positions always kept (paper: none)" },
         ParamInfo { name: "decode_evict", default: "true", kind: Kind::Bool, help: "hold B entries during decode" },
     ],
-    wrapper: false,
-    build: |p, inner| {
-        super::base_only(p, inner)?;
-        Ok(Arc::new(AhaKv::from_params(p)?))
-    },
+    caps: Caps::EVICT_DECODE,
+    test: "ahakv_scores_with_recent_rows_only",
+    build: Build::Scorer(|p| Ok(Arc::new(AhaKv::from_params(p)?))),
 };
+
+/// Reduction of a group's SG probabilities.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Agg {
+    Mean,
+    Sum,
+    Max,
+}
+
+impl std::str::FromStr for Agg {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Agg, ()> {
+        match s {
+            "mean" => Ok(Agg::Mean),
+            "sum" => Ok(Agg::Sum),
+            "max" => Ok(Agg::Max),
+            _ => Err(()),
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug)]
 pub struct AhaKv {
@@ -62,8 +81,7 @@ pub struct AhaKv {
     pub min_gain: f32,
     pub pool_refined: bool,
     pub per_query_head: bool,
-    /// 0 mean, 1 sum, 2 max
-    pub gqa_agg: u8,
+    pub gqa_agg: Agg,
 }
 
 impl Default for AhaKv {
@@ -83,7 +101,7 @@ impl Default for AhaKv {
             min_gain: 0.0,
             pool_refined: false,
             per_query_head: false,
-            gqa_agg: 0,
+            gqa_agg: Agg::Mean,
         }
     }
 }
@@ -117,11 +135,7 @@ impl AhaKv {
             min_gain: p.float("min_gain")? as f32,
             pool_refined: p.bool("pool_refined")?,
             per_query_head: p.word("gqa_mode") == "per_query_head",
-            gqa_agg: match p.word("gqa_agg") {
-                "sum" => 1,
-                "max" => 2,
-                _ => 0,
-            },
+            gqa_agg: p.choice("gqa_agg")?,
         })
     }
 
@@ -144,10 +158,10 @@ impl AhaKv {
     fn agg(&self, acc: &mut [f32], x: &[f32], i: usize, n: usize) {
         for (a, v) in acc.iter_mut().zip(x) {
             *a = match self.gqa_agg {
-                1 => *a + v,
-                2 if i == 0 => *v,
-                2 => a.max(*v),
-                _ => *a + v / n as f32,
+                Agg::Sum => *a + v,
+                Agg::Max if i == 0 => *v,
+                Agg::Max => a.max(*v),
+                Agg::Mean => *a + v / n as f32,
             };
         }
     }
@@ -170,25 +184,45 @@ pub fn avg_pool(x: &[f32], w: usize, zero_pad: bool) -> Vec<f32> {
         .collect()
 }
 
-/// Indices of the `k` best of `cand` by (score desc, position asc).
-fn top_small_first(s: &[f32], cand: impl Iterator<Item = usize>, k: usize) -> Vec<usize> {
-    let mut c: Vec<usize> = cand.collect();
-    c.sort_by(|&a, &b| {
-        s[b].partial_cmp(&s[a])
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(a.cmp(&b))
-    });
-    c.truncate(k);
-    c.sort_unstable();
-    c
+impl AhaKv {
+    /// F̂ of one cache: the group-reduced column sums of the SG rows, times
+    /// the value prior, optionally pooled.
+    fn refined(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
+        let (n, b, d) = (ctx.prompt_len(), ctx.budget, ctx.head_dim());
+        let br = self.recent(b);
+        let rows = if self.use_ra { n - br.min(n)..n } else { 0..n };
+        let mut f = vec![0f32; n];
+        let nheads = u.heads.len();
+        for (k, h) in u.heads.clone().enumerate() {
+            let a = ctx.attn_rows_with_gain(h, rows.clone(), |j| self.gain(j + 1, b, d));
+            let mut col = vec![0f32; n];
+            for row in a.chunks_exact(n) {
+                col.iter_mut().zip(row).for_each(|(c, x)| *c += x);
+            }
+            self.agg(&mut f, &col, k, nheads);
+        }
+        if self.use_vpe {
+            let nu: Vec<f32> = (0..n)
+                .map(|j| ctx.value(u.kv_head, j).iter().map(|v| v * v).sum())
+                .collect();
+            let gamma = avg_pool(&nu, self.w_pool, self.zero_pad);
+            let mx = gamma.iter().cloned().fold(0f32, f32::max);
+            if mx > 0.0 {
+                f.iter_mut().zip(&gamma).for_each(|(a, gm)| *a *= gm / mx);
+            }
+        }
+        if self.pool_refined {
+            f = avg_pool(&f, self.w_pool, self.zero_pad);
+        }
+        f
+    }
 }
 
-impl Policy for AhaKv {
-    fn prefill(
-        &self,
-        ctx: &PrefillCtx,
-    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        let (n, b, d) = (ctx.prompt_len(), ctx.budget, ctx.head_dim());
+impl Scorer for AhaKv {
+    fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
+        self.refined(ctx, u)
+    }
+    fn protect(&self, b: usize) -> Result<Protect, ReplayError> {
         let br = self.recent(b);
         if b <= br {
             return Err(ReplayError::BadParam {
@@ -198,111 +232,66 @@ impl Policy for AhaKv {
                 msg: format!("budget {b} must exceed the recent window B_r = {br} (B_s = B - B_r >= 1); lower `recent` or raise the budget"),
             });
         }
-        let rows = if self.use_ra { n - br.min(n)..n } else { 0..n };
-        let mut caches = Vec::new();
-        let mut scores = Vec::new();
-        for (g, heads) in ctx.cache_units(self.per_query_head) {
-            // F: the group-reduced column sums of the SG rows.
-            let mut f = vec![0f32; n];
-            let nheads = heads.len();
-            for (k, h) in heads.enumerate() {
-                let a = ctx.attn_rows_with_gain(h, rows.clone(), |j| self.gain(j + 1, b, d));
-                let mut col = vec![0f32; n];
-                for row in a.chunks_exact(n) {
-                    col.iter_mut().zip(row).for_each(|(c, x)| *c += x);
-                }
-                self.agg(&mut f, &col, k, nheads);
-            }
-            if self.use_vpe {
-                let nu: Vec<f32> = (0..n)
-                    .map(|j| ctx.value(g, j).iter().map(|v| v * v).sum())
-                    .collect();
-                let gamma = avg_pool(&nu, self.w_pool, self.zero_pad);
-                let mx = gamma.iter().cloned().fold(0f32, f32::max);
-                if mx > 0.0 {
-                    f.iter_mut().zip(&gamma).for_each(|(a, gm)| *a *= gm / mx);
-                }
-            }
-            if self.pool_refined {
-                f = avg_pool(&f, self.w_pool, self.zero_pad);
-            }
-            let keep: Vec<usize> = if n <= b {
-                (0..n).collect()
-            } else {
-                let sinks = self.n_sink.min(b - br);
-                let mut keep: Vec<usize> = (0..sinks).collect();
-                keep.extend(top_small_first(&f, sinks..n - br, b - br - sinks));
-                keep.extend(n - br..n);
-                keep
-            };
-            scores.push(keep.iter().map(|&i| f[i]).collect::<Vec<f32>>());
-            caches.push(ctx.exact_cache(g, &keep));
-        }
-        let state: Box<dyn DecodeState> = if self.decode_evict {
-            Box::new(Evict {
-                cfg: *self,
-                recent: br,
-                d,
-                scores,
-            })
-        } else {
-            Box::new(AppendOnly)
-        };
-        Ok((caches, state))
+        Ok(Protect {
+            sinks: self.n_sink.min(b - br),
+            recent: br,
+        })
+    }
+    /// The reference keeps the smaller position on ties (and evicts the larger).
+    fn tie(&self) -> Tie {
+        Tie::KeepEarlier
+    }
+    fn per_query_head(&self) -> bool {
+        self.per_query_head
+    }
+    fn decode_evict(&self) -> bool {
+        self.decode_evict
+    }
+    fn decoder(&self, ctx: &PrefillCtx, sel: &Selected) -> Option<Box<dyn StepScorer>> {
+        Some(Box::new(StepGain {
+            cfg: *self,
+            d: ctx.head_dim(),
+            scores: (0..sel.units.len()).map(|u| sel.kept_scores(u)).collect(),
+            heads: sel.units.iter().map(|u| u.heads.clone()).collect(),
+        }))
     }
 }
 
-struct Evict {
+/// Decode: each step's SG-softmax rows over the cache, group-reduced and accumulated.
+struct StepGain {
     cfg: AhaKv,
-    recent: usize,
     d: usize,
     scores: Vec<Vec<f32>>,
+    heads: Vec<std::ops::Range<usize>>,
 }
 
-impl DecodeState for Evict {
-    fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
-        for (ci, c) in caches.iter_mut().enumerate() {
-            let f = &mut self.scores[ci];
-            f.push(0.0);
-            let count = if self.cfg.gain_cache_len {
-                c.len()
-            } else {
-                ctx.pos + 1
-            };
-            let gain = self.cfg.gain(count, ctx.budget, self.d);
-            let heads = ctx.heads_of(ci, self.cfg.per_query_head);
-            let nheads = heads.len();
-            let mut inc = vec![0f32; c.len()];
-            for (k, h) in heads.enumerate() {
-                // SG-softmax over the cache entries with the model's scale and the step gain.
-                let q = ctx.queries[h];
-                let z: Vec<f32> = (0..c.len())
-                    .map(|e| gain * ctx.scale * dot(q, c.key(e)))
-                    .collect();
-                let mx = z.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-                let w: Vec<f64> = z.iter().map(|x| ((x - mx) as f64).exp()).collect();
-                let sum: f64 = w.iter().sum();
-                let p: Vec<f32> = w.iter().map(|we| (we / sum) as f32).collect();
-                self.cfg.agg(&mut inc, &p, k, nheads);
-            }
-            f.iter_mut().zip(&inc).for_each(|(a, x)| *a += x);
-            if c.len() > ctx.budget {
-                let n = c.len();
-                let pos = c.positions();
-                let sinks = self.cfg.n_sink;
-                // Smallest score outside the B_r newest (and the sinks); tie: larger position.
-                let e = (0..n - self.recent.min(n))
-                    .filter(|&e| pos[e] >= sinks)
-                    .min_by(|&a, &b| {
-                        f[a].partial_cmp(&f[b])
-                            .unwrap_or(std::cmp::Ordering::Equal)
-                            .then(pos[b].cmp(&pos[a]))
-                    })
-                    .expect("candidates outside the window");
-                c.remove(e);
-                f.remove(e);
-            }
+impl StepScorer for StepGain {
+    fn scores(&mut self, ctx: &StepCtx, ci: usize, c: &HeadCache) -> Vec<f32> {
+        let f = &mut self.scores[ci];
+        f.push(0.0);
+        let count = if self.cfg.gain_cache_len {
+            c.len()
+        } else {
+            ctx.pos + 1
+        };
+        let gain = self.cfg.gain(count, ctx.budget, self.d);
+        let heads = self.heads[ci].clone();
+        let nheads = heads.len();
+        let mut inc = vec![0f32; c.len()];
+        for (k, h) in heads.enumerate() {
+            // SG-softmax over the cache entries with the model's scale and the step gain.
+            let q = ctx.queries[h];
+            let mut z: Vec<f32> = (0..c.len())
+                .map(|e| gain * ctx.scale * dot(q, c.key(e)))
+                .collect();
+            kvreplay_kernels::cpu::softmax_f64_norm(&mut z);
+            self.cfg.agg(&mut inc, &z, k, nheads);
         }
+        f.iter_mut().zip(&inc).for_each(|(a, x)| *a += x);
+        f.clone()
+    }
+    fn evicted(&mut self, c: usize, e: usize) {
+        self.scores[c].remove(e);
     }
 }
 
@@ -347,11 +336,11 @@ mod tests {
         let (m, s, x) = (
             cfg(),
             AhaKv {
-                gqa_agg: 1,
+                gqa_agg: Agg::Sum,
                 ..cfg()
             },
             AhaKv {
-                gqa_agg: 2,
+                gqa_agg: Agg::Max,
                 ..cfg()
             },
         );

@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 
-use super::PolicyInfo;
+use super::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, Policy, PrefillCtx, StepCtx};
 use crate::spec::{Kind, ParamInfo, Params};
@@ -39,11 +39,11 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "allocation", default: "inv_var_softmax", kind: Kind::Choice(&["inv_var_softmax", "uniform", "reciprocal", "exp_decay", "inv_var_softmax_raw"]), help: "layer budget rule (Table 4 variants; uniform = without the layer operation)" },
         ParamInfo { name: "protect_layers", default: "false", kind: Kind::Bool, help: "official code: layers 0, 1 and L−1 are never compressed" },
     ],
-    wrapper: false,
-    build: |p, inner| {
-        super::base_only(p, inner)?;
+    caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, exact_when_covering: false, ..Caps::EVICT_PREFILL },
+    test: "d2o_first_compression_merges_tokens_at_least_as_similar_as_the_mean",
+    build: Build::Policy(|p| {
         Ok(Arc::new(D2o::from_params(p)?))
-    },
+    }),
 };
 
 #[derive(Clone, Debug)]

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use kvreplay_kernels::cpu::RopeCache;
 
-use super::PolicyInfo;
+use super::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
 use crate::policy::{pool1d, DecodeState, Policy, Pool, PrefillCtx, StepCtx};
 use crate::spec::{Kind, ParamInfo, Params};
@@ -41,11 +41,11 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "zero_class", default: "free", kind: Kind::Choice(&["free", "literal_zero"]), help: "evicted to-be-merged tokens: freed, or kept as zero key/value slots that still take softmax mass" },
         ParamInfo { name: "similarity", default: "key_value", kind: Kind::Choice(&["key_value", "key", "value"]), help: "Table 8 ablation of the redundancy measure" },
     ],
-    wrapper: false,
-    build: |p, inner| {
-        super::base_only(p, inner)?;
+    caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, per_query_head: true, exact_when_covering: false, ..Caps::EVICT_PREFILL },
+    test: "ems_merges_a_scaled_copy_of_a_centre",
+    build: Build::Policy(|p| {
         Ok(Arc::new(Ems::from_params(p)?))
-    },
+    }),
 };
 
 #[derive(Clone, Debug)]

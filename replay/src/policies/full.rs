@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::PolicyInfo;
+use super::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::HeadCache;
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;
@@ -12,11 +12,13 @@ pub static INFO: PolicyInfo = PolicyInfo {
     summary: "no compression: every prompt and decode entry is kept",
     paper: "-",
     params: &[],
-    wrapper: false,
-    build: |p, inner| {
-        super::base_only(p, inner)?;
-        Ok(Arc::new(Full))
+    caps: Caps {
+        family: Family::Reference,
+        phase: Phase::Prefill,
+        ..Caps::EVICT_PREFILL
     },
+    test: "full_has_zero_error_and_full_bytes",
+    build: Build::Policy(|_| Ok(Arc::new(Full))),
 };
 
 pub struct Full;

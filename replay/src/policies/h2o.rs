@@ -1,6 +1,5 @@
-//! H2O: heavy hitters (accumulated attention) plus a recent window.
-//!
-//! Rule (landscape.md B3): s_i = Σ_j A_{j,i} over every query that has seen i
+//! H2O: heavy hitters (accumulated attention) plus a recent window
+//! (docs/methods/h2o.md). s_i = Σ_j A_{j,i} over every query that has seen i
 //! (the prompt queries, causal, then each decode query over the compressed
 //! cache), reduced to the KV head by the group mean. Keep the r = ⌊B/2⌋ most
 //! recent entries and the B − r highest scores among the rest. At decode the
@@ -10,11 +9,11 @@
 
 use std::sync::Arc;
 
-use super::PolicyInfo;
+use super::{Build, Caps, PolicyInfo};
 use crate::cache::HeadCache;
-use crate::policy::{
-    mean_rows, top_k, victim, AppendOnly, DecodeState, Policy, PrefillCtx, StepCtx,
-};
+use crate::policy::{mean_rows, PrefillCtx, StepCtx};
+use crate::scorer::{Scorer, Selected, StepScorer, Unit};
+use crate::select::Protect;
 use crate::spec::{Kind, ParamInfo};
 use crate::ReplayError;
 
@@ -26,15 +25,15 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "recent", default: "half", kind: Kind::IntOr("half"), help: "recent entries kept (inside B): `half` = ⌊B/2⌋, or a number" },
         ParamInfo { name: "decode_evict", default: "true", kind: Kind::Bool, help: "hold B entries during decode (false = KVCache-Factory's prefill-only form)" },
     ],
-    wrapper: false,
-    build: |p, inner| {
-        super::base_only(p, inner)?;
+    caps: Caps::EVICT_DECODE,
+    test: "h2o_uses_the_group_mean_and_prefers_later_positions_on_ties",
+    build: Build::Scorer(|p| {
         let recent = match p.word("recent") {
             "half" => None,
             _ => Some(p.int("recent")?),
         };
         Ok(Arc::new(H2o { recent, decode_evict: p.bool("decode_evict")? }))
-    },
+    }),
 };
 
 pub struct H2o {
@@ -43,75 +42,45 @@ pub struct H2o {
     pub decode_evict: bool,
 }
 
-impl H2o {
-    fn recent(&self, b: usize) -> usize {
-        self.recent.unwrap_or(b / 2).min(b)
+/// Mean of the step's attention over the query heads that read a cache,
+/// added to its accumulated scores (the step's new entry starts at 0).
+pub fn accumulate(scores: &mut Vec<f32>, ctx: &StepCtx, heads: std::ops::Range<usize>) {
+    scores.push(0.0);
+    let mean = mean_rows(ctx.probs[heads].iter().map(|v| v.as_slice()));
+    scores.iter_mut().zip(mean).for_each(|(x, a)| *x += a);
+}
+
+impl Scorer for H2o {
+    fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
+        mean_rows(u.heads.clone().map(|h| ctx.colsum(h)))
+    }
+    fn protect(&self, b: usize) -> Result<Protect, ReplayError> {
+        Ok(Protect::new(0, self.recent.unwrap_or(b / 2), b))
+    }
+    fn decode_evict(&self) -> bool {
+        self.decode_evict
+    }
+    fn decoder(&self, _: &PrefillCtx, sel: &Selected) -> Option<Box<dyn StepScorer>> {
+        Some(Box::new(Accumulated {
+            acc: (0..sel.units.len()).map(|u| sel.kept_scores(u)).collect(),
+            heads: sel.units.iter().map(|u| u.heads.clone()).collect(),
+        }))
     }
 }
 
-/// Group-mean accumulated prompt attention of KV head `g`: (P,).
-pub fn prompt_scores(ctx: &PrefillCtx, g: usize) -> Vec<f32> {
-    let gs = ctx.group();
-    mean_rows((g * gs..(g + 1) * gs).map(|h| ctx.colsum(h)))
+/// Accumulated attention of every entry of each cache (H2O's decode scores).
+pub struct Accumulated {
+    pub acc: Vec<Vec<f32>>,
+    /// Per cache, the query heads that read it.
+    pub heads: Vec<std::ops::Range<usize>>,
 }
 
-/// Kept prompt positions: the r most recent plus the top B - r of the rest.
-pub fn kept_positions(scores: &[f32], b: usize, r: usize) -> Vec<usize> {
-    let p = scores.len();
-    if p <= b {
-        return (0..p).collect();
+impl StepScorer for Accumulated {
+    fn scores(&mut self, ctx: &StepCtx, c: usize, _: &HeadCache) -> Vec<f32> {
+        accumulate(&mut self.acc[c], ctx, self.heads[c].clone());
+        self.acc[c].clone()
     }
-    let rest: Vec<usize> = (0..p - r).collect();
-    let mut keep = top_k(scores, &rest, b - r, |i| i);
-    keep.extend(p - r..p);
-    keep
-}
-
-impl Policy for H2o {
-    fn prefill(
-        &self,
-        ctx: &PrefillCtx,
-    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        let (b, r) = (ctx.budget, self.recent(ctx.budget));
-        let mut caches = Vec::new();
-        let mut scores = Vec::new();
-        for g in 0..ctx.n_kv_heads() {
-            let s = prompt_scores(ctx, g);
-            let keep = kept_positions(&s, b, r);
-            scores.push(keep.iter().map(|&i| s[i]).collect::<Vec<f32>>());
-            caches.push(ctx.exact_cache(g, &keep));
-        }
-        let state: Box<dyn DecodeState> = if self.decode_evict {
-            Box::new(Evict { recent: r, scores })
-        } else {
-            Box::new(AppendOnly)
-        };
-        Ok((caches, state))
-    }
-}
-
-struct Evict {
-    recent: usize,
-    /// Per KV head, per entry: accumulated attention.
-    scores: Vec<Vec<f32>>,
-}
-
-impl DecodeState for Evict {
-    fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
-        for (g, c) in caches.iter_mut().enumerate() {
-            let s = &mut self.scores[g];
-            s.push(0.0);
-            for (x, a) in s.iter_mut().zip(ctx.group_mean(g)) {
-                *x += a;
-            }
-            while c.len() > ctx.budget {
-                let n = c.len();
-                let pos = c.positions();
-                let e = victim(s, 0..n - self.recent.min(n), |e| pos[e])
-                    .expect("budget >= 1 leaves candidates");
-                c.remove(e);
-                s.remove(e);
-            }
-        }
+    fn evicted(&mut self, c: usize, e: usize) {
+        self.acc[c].remove(e);
     }
 }

@@ -1,18 +1,9 @@
-//! KNorm: keep the keys with the smallest L2 norm.
-//!
-//! Rule (landscape.md B3, alessiodevoto/l2compress): s_i = −‖k_i‖₂ per KV
-//! head; keep the B highest. No attention, window or sinks. Layers in
-//! `skip_layers` stay uncompressed (charged in full). Prefill only unless
-//! `decode_evict`, which evicts the largest-norm key whenever the cache
-//! exceeds B.
+//! KNorm (docs/methods/knorm.md): s_i = −‖k_i‖₂ per KV head, no attention,
+//! window or sinks; `skip_layers` stay uncompressed; `decode_evict` evicts the largest-norm key.
 
-use std::sync::Arc;
-
-use super::PolicyInfo;
-use crate::cache::HeadCache;
-use crate::policy::{top_k, victim, AppendOnly, DecodeState, Policy, PrefillCtx, StepCtx};
-use crate::spec::{Kind, ParamInfo};
-use crate::ReplayError;
+use super::{Build, Caps, Phase, PolicyInfo};
+use crate::{scorer::{Scorer, Selected, StepScorer, Unit}, spec::{Kind, ParamInfo}, HeadCache, PrefillCtx, StepCtx};
+use kvreplay_kernels::cpu::l2_norm;
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "knorm",
@@ -22,64 +13,17 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "skip_layers", default: "0;1", kind: Kind::IntList, help: "layers left uncompressed, `;`-separated (none = compress all)" },
         ParamInfo { name: "decode_evict", default: "false", kind: Kind::Bool, help: "also hold B entries during decode" },
     ],
-    wrapper: false,
-    build: |p, inner| {
-        super::base_only(p, inner)?;
-        Ok(Arc::new(KNorm { skip_layers: p.int_list("skip_layers")?, decode_evict: p.bool("decode_evict")? }))
-    },
+    caps: Caps { phase: Phase::PrefillByDefault, ..Caps::EVICT_PREFILL },
+    test: "knorm_keeps_the_smallest_keys_and_skips_layers",
+    build: Build::Scorer(|p| Ok(std::sync::Arc::new(KNorm { skip_layers: p.int_list("skip_layers")?, decode_evict: p.bool("decode_evict")? }))),
 };
 
-pub struct KNorm {
-    pub skip_layers: Vec<usize>,
-    pub decode_evict: bool,
-}
-
-/// L2 norm, accumulated in f64.
-pub fn norm(k: &[f32]) -> f32 {
-    k.iter()
-        .map(|x| (*x as f64) * (*x as f64))
-        .sum::<f64>()
-        .sqrt() as f32
-}
-
-impl Policy for KNorm {
-    fn prefill(
-        &self,
-        ctx: &PrefillCtx,
-    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        let (p, b) = (ctx.prompt_len(), ctx.budget);
-        if self.skip_layers.contains(&ctx.layer()) {
-            return Ok((ctx.full_caches(), Box::new(AppendOnly)));
-        }
-        let caches = (0..ctx.n_kv_heads())
-            .map(|g| {
-                if p <= b {
-                    return ctx.full_cache(g);
-                }
-                let s: Vec<f32> = (0..p).map(|i| -norm(ctx.key(g, i))).collect();
-                ctx.exact_cache(g, &top_k(&s, &(0..p).collect::<Vec<_>>(), b, |i| i))
-            })
-            .collect();
-        let state: Box<dyn DecodeState> = if self.decode_evict {
-            Box::new(Evict)
-        } else {
-            Box::new(AppendOnly)
-        };
-        Ok((caches, state))
-    }
-}
-
-struct Evict;
-
-impl DecodeState for Evict {
-    fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
-        for c in caches.iter_mut() {
-            while c.len() > ctx.budget {
-                let s: Vec<f32> = (0..c.len()).map(|e| -norm(c.key(e))).collect();
-                let pos = c.positions();
-                let e = victim(&s, 0..c.len(), |e| pos[e]).expect("non-empty");
-                c.remove(e);
-            }
-        }
+pub struct KNorm { pub skip_layers: Vec<usize>, pub decode_evict: bool }
+impl Scorer for KNorm {
+    fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> { (0..ctx.prompt_len()).map(|i| -l2_norm(ctx.key(u.kv_head, i)) as f32).collect() }
+    fn skip_layer(&self, layer: usize) -> bool { self.skip_layers.contains(&layer) }
+    fn decode_evict(&self) -> bool { self.decode_evict }
+    fn decoder(&self, _: &PrefillCtx, _: &Selected) -> Option<Box<dyn StepScorer>> {
+        Some(Box::new(|_: &StepCtx, _: usize, c: &HeadCache| (0..c.len()).map(|e| -l2_norm(c.key(e)) as f32).collect()))
     }
 }

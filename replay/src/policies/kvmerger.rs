@@ -21,7 +21,7 @@
 
 use std::sync::Arc;
 
-use super::PolicyInfo;
+use super::{Build, Caps, Family, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
 use crate::policy::{cosine, AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
 use crate::spec::{Kind, ParamInfo, Params};
@@ -48,11 +48,11 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "adjacency", default: "positions", kind: Kind::Choice(&["positions", "pool_order"]), help: "a protected token splits a run, or runs follow the pool order" },
         ParamInfo { name: "n_sink", default: "0", kind: Kind::Int, help: "extension: first positions forced into the heavy hitters" },
     ],
-    wrapper: false,
-    build: |p, inner| {
-        super::base_only(p, inner)?;
+    caps: Caps { family: Family::Merging, merges: true, ..Caps::EVICT_PREFILL },
+    test: "kvmerger_gaussian_weights_and_value_scaling",
+    build: Build::Policy(|p| {
         Ok(Arc::new(KvMerger::from_params(p)?))
-    },
+    }),
 };
 
 #[derive(Clone, Debug)]

@@ -19,7 +19,7 @@
 
 use std::sync::Arc;
 
-use super::PolicyInfo;
+use super::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
 use crate::policy::{DecodeState, GroupDecodeState, Policy, PrefillCtx, StepCtx};
 use crate::spec::{Kind, ParamInfo, Params};
@@ -45,11 +45,11 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "merge_k", default: "true", kind: Kind::Bool, help: "merge keys" },
         ParamInfo { name: "merge_v", default: "true", kind: Kind::Bool, help: "merge values" },
     ],
-    wrapper: false,
-    build: |p, inner| {
-        super::base_only(p, inner)?;
+    caps: Caps { family: Family::CrossLayer, phase: Phase::Decode, merges: true, cross_layer: true, ..Caps::EVICT_PREFILL },
+    test: "minicache_merges_parallel_layers_losslessly_and_charges_one_direction",
+    build: Build::Policy(|p| {
         Ok(Arc::new(MiniCache::from_params(p)?))
-    },
+    }),
 };
 
 #[derive(Clone, Debug)]

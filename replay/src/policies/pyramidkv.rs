@@ -1,42 +1,39 @@
-//! PyramidKV: SnapKV scoring with a per-layer budget that shrinks with depth.
+//! PyramidKV: per-layer budgets that shrink with depth, around any scorer
+//! (docs/methods/pyramidkv.md; default scorer SnapKV with w = 8).
 //!
-//! Rule (landscape.md B3, KVCache-Factory `PyramidKVCluster`): with P = B − w,
-//! if T_p < B no-op; else if T_p < 2P every layer keeps P + w; otherwise
-//! min = ⌊P/β⌋, max = 2P − min (if max ≥ T_p − w: max = T_p − w,
-//! min = 2P − max), step = ⌊(max − min)/(L − 1)⌋, and layer l keeps
-//! (max − l·step) selected entries plus the w window. Memory is charged from
-//! the actual counts (the floor can make the total exceed L·P).
+//! Rule (KVCache-Factory `PyramidKVCluster`): with w the scorer's protected
+//! positions and P = B − w, if T_p < B no-op; else if T_p < 2P every layer
+//! keeps P + w; otherwise min = ⌊P/β⌋, max = 2P − min (if max ≥ T_p − w:
+//! max = T_p − w, min = 2P − max), step = ⌊(max − min)/(L − 1)⌋, and layer l
+//! keeps (max − l·step) selected entries plus the protected ones. Memory is
+//! charged from the actual counts (the floor can make the total exceed L·P).
+//! Decode-time scorers hold each layer's own count.
 
 use std::sync::Arc;
 
-use super::snapkv::{trivial_prefill, Window};
-use super::PolicyInfo;
-use crate::cache::HeadCache;
-use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
+use super::{Build, Caps, Family, PolicyInfo};
+use crate::scorer::{Allocation, TopK};
 use crate::spec::{Kind, ParamInfo};
-use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "pyramidkv",
-    summary: "SnapKV selection with a pyramid of per-layer budgets (more in shallow layers); prefill only",
+    summary: "a pyramid of per-layer budgets (more in shallow layers) around any scorer (default: SnapKV selection)",
     paper: "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling (Cai et al., arXiv 2406.02069); Zefan-Cai/KVCache-Factory",
     params: &[
-        ParamInfo { name: "w", default: "8", kind: Kind::Int, help: "observation window (kept, inside each layer's budget)" },
-        ParamInfo { name: "k", default: "7", kind: Kind::Int, help: "pooling kernel (odd)" },
-        ParamInfo { name: "pool", default: "max", kind: Kind::Choice(&["max", "avg", "none"]), help: "pooling along positions" },
+        ParamInfo { name: "scorer", default: "snapkv", kind: Kind::Scorer, help: "the scorer whose selection gets the per-layer budgets (its parameters are accepted too)" },
         ParamInfo { name: "beta", default: "20", kind: Kind::Int, help: "min = ⌊(B − w)/beta⌋ selected entries in the last layer" },
     ],
-    wrapper: false,
-    build: |p, inner| {
-        super::base_only(p, inner)?;
-        Ok(Arc::new(PyramidKv { window: Window::from_params(p)?, beta: p.int("beta")?.max(1) }))
+    caps: Caps { family: Family::Allocation, ..Caps::EVICT_PREFILL },
+    test: "pyramidkv_gives_every_scorer_per_layer_budgets",
+    build: Build::ScorerWrapper {
+        default_scorer: "snapkv",
+        scorer_defaults: &[("w", "8")],
+        build: |p, scorer| {
+            let beta = p.int("beta")?.max(1);
+            Ok(Arc::new(TopK { scorer, allocation: Allocation::Pyramid { beta }, merge: None }))
+        },
     },
 };
-
-pub struct PyramidKv {
-    pub window: Window,
-    pub beta: usize,
-}
 
 /// Selected entries (window excluded) of `layer` of `n_layers`, in the
 /// reference's integer arithmetic; None = no compression.
@@ -63,30 +60,6 @@ pub fn layer_count(
     }
     let step = (max - min) / (n_layers - 1);
     Some(max - layer * step)
-}
-
-impl Policy for PyramidKv {
-    fn prefill(
-        &self,
-        ctx: &PrefillCtx,
-    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        if let Some(done) = trivial_prefill(ctx, self.window.w) {
-            return Ok(done);
-        }
-        let (p, b, w) = (ctx.prompt_len(), ctx.budget, self.window.w);
-        let count = layer_count(p, b, w, self.beta, ctx.layer(), ctx.n_layers()).expect("p > b");
-        let caches = (0..ctx.n_kv_heads())
-            .map(|g| {
-                ctx.exact_cache(
-                    g,
-                    &self
-                        .window
-                        .keep(p, &self.window.scores(ctx, g, false), count),
-                )
-            })
-            .collect();
-        Ok((caches, Box::new(AppendOnly)))
-    }
 }
 
 #[cfg(test)]

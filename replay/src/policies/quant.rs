@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use super::PolicyInfo;
+use super::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
 use crate::policy::{DecodeState, GroupDecodeState, Policy, PrefillCtx, StepCtx};
 use crate::spec::{Kind, ParamInfo};
@@ -29,16 +29,16 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "group", default: "32", kind: Kind::Int, help: "group size: entries per key group, channels per value group" },
         ParamInfo { name: "residual", default: "32", kind: Kind::Int, help: "newest entries kept in f16 (keys: in whole chunks)" },
     ],
-    wrapper: true,
-    build: |p, inner| {
+    caps: Caps { family: Family::Quantisation, phase: Phase::Prefill, quantises: true, exact_when_covering: false, ..Caps::EVICT_PREFILL },
+    test: "quant_charges_real_bits",
+    build: Build::Wrapper(|p, base| {
         let group = p.int("group")?;
         if group == 0 {
             return Err(ReplayError::BadParam { policy: "quant".into(), key: "group".into(), value: "0".into(), msg: "must be at least 1".into() });
         }
         let residual = p.int("residual")?.max(1);
-        let base = inner.unwrap_or_else(|| Arc::new(super::full::Full));
         Ok(Arc::new(Quant { base, cfg: QuantCfg { bits: p.word("bits").parse().expect("validated"), group, residual } }))
-    },
+    }),
 };
 
 pub struct Quant {

@@ -1,12 +1,14 @@
-//! Random eviction: B prompt positions drawn uniformly without replacement.
+//! Random eviction: B prompt positions drawn uniformly without replacement
+//! (docs/methods/random.md). A scorer: each position's score is minus its
+//! rank in a seeded Fisher-Yates permutation, so the kept set is the first B
+//! of the permutation.
 
 use std::sync::Arc;
 
-use super::PolicyInfo;
-use crate::cache::HeadCache;
-use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
+use super::{Build, Caps, PolicyInfo};
+use crate::policy::{PrefillCtx, SplitMix64};
+use crate::scorer::{Scorer, Unit};
 use crate::spec::{Kind, ParamInfo};
-use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "random",
@@ -18,42 +20,28 @@ pub static INFO: PolicyInfo = PolicyInfo {
         kind: Kind::Int,
         help: "generator seed; (seed, layer, head) fixes each draw",
     }],
-    wrapper: false,
-    build: |p, inner| {
-        super::base_only(p, inner)?;
-        Ok(Arc::new(Random {
-            seed: p.int("seed")? as u64,
-        }))
-    },
+    caps: Caps::EVICT_PREFILL,
+    test: "random_keeps_the_first_b_of_a_seeded_permutation",
+    build: Build::Scorer(|p| Ok(Arc::new(Random { seed: p.int("seed")? as u64 }))),
 };
 
 pub struct Random {
     pub seed: u64,
 }
 
-impl Policy for Random {
-    fn prefill(
-        &self,
-        ctx: &PrefillCtx,
-    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        let (p, b) = (ctx.prompt_len(), ctx.budget);
-        if p <= b {
-            return Ok((ctx.full_caches(), Box::new(AppendOnly)));
+impl Scorer for Random {
+    fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
+        let p = ctx.prompt_len();
+        let mut rng = SplitMix64::for_head(self.seed, ctx.layer(), u.kv_head);
+        let mut idx: Vec<usize> = (0..p).collect();
+        for i in 0..p {
+            let j = i + rng.below(p - i);
+            idx.swap(i, j);
         }
-        let caches = (0..ctx.n_kv_heads())
-            .map(|g| {
-                // Partial Fisher-Yates: the first b of a random permutation.
-                let mut rng = SplitMix64::for_head(self.seed, ctx.layer(), g);
-                let mut idx: Vec<usize> = (0..p).collect();
-                for i in 0..b {
-                    let j = i + rng.below(p - i);
-                    idx.swap(i, j);
-                }
-                let mut keep = idx[..b].to_vec();
-                keep.sort_unstable();
-                ctx.exact_cache(g, &keep)
-            })
-            .collect();
-        Ok((caches, Box::new(AppendOnly)))
+        let mut s = vec![0f32; p];
+        for (rank, &i) in idx.iter().enumerate() {
+            s[i] = -(rank as f32);
+        }
+        s
     }
 }

@@ -1,6 +1,5 @@
-//! Scissorhands: persistence of importance via pivotal-token counts.
-//!
-//! Rule (landscape.md B3, lzcemma/Scissorhands): entry i is pivotal for row j
+//! Scissorhands: persistence of importance via pivotal-token counts
+//! (docs/methods/scissorhands.md; lzcemma/Scissorhands): entry i is pivotal for row j
 //! if A_{j,i} > θ_j strictly; θ_j is the value at index ⌊0.9·n_j⌋ of row j
 //! sorted ascending (n_j = P with the causally masked zeros when
 //! `include_masked`, as the reference does; the visible keys otherwise), or
@@ -11,9 +10,11 @@
 
 use std::sync::Arc;
 
-use super::PolicyInfo;
+use super::{Build, Caps, PolicyInfo};
 use crate::cache::HeadCache;
-use crate::policy::{top_k, victim, AppendOnly, DecodeState, Policy, PrefillCtx, StepCtx};
+use crate::policy::{PrefillCtx, StepCtx};
+use crate::scorer::{Scorer, Selected, StepScorer, Unit};
+use crate::select::{cmp_f32, Protect};
 use crate::spec::{Kind, ParamInfo};
 use crate::ReplayError;
 
@@ -30,9 +31,9 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "include_masked", default: "true", kind: Kind::Bool, help: "prompt rows' quantile includes the causally masked zeros (reference behaviour)" },
         ParamInfo { name: "decode_evict", default: "true", kind: Kind::Bool, help: "hold B entries during decode" },
     ],
-    wrapper: false,
-    build: |p, inner| {
-        super::base_only(p, inner)?;
+    caps: Caps::EVICT_DECODE,
+    test: "scissorhands_counts_pivotal_rows",
+    build: Build::Scorer(|p| {
         let w_h = p.int("w_h")?;
         if w_h == 0 || w_h > 128 {
             return Err(ReplayError::BadParam { policy: "scissorhands".into(), key: "w_h".into(), value: w_h.to_string(), msg: "must lie in 1..=128".into() });
@@ -46,9 +47,10 @@ pub static INFO: PolicyInfo = PolicyInfo {
             include_masked: p.bool("include_masked")?,
             decode_evict: p.bool("decode_evict")?,
         }))
-    },
+    }),
 };
 
+#[derive(Clone, Copy, Debug)]
 pub struct Scissorhands {
     pub w_h: usize,
     pub r: usize,
@@ -72,8 +74,38 @@ impl Scissorhands {
         }
         let mut sorted = visible.to_vec();
         sorted.resize(n, 0.0);
-        sorted.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+        sorted.sort_by(|a, b| cmp_f32(*a, *b));
         sorted[(0.9 * n as f64).floor() as usize]
+    }
+
+    /// masks[i][h'] over the last w_h prompt rows (bit 0 = latest row), per
+    /// position i and query head h' of the unit: budget-independent, so
+    /// computed once per trace and layer in a sweep.
+    #[allow(clippy::needless_range_loop)] // hh indexes the unit's heads in masks and rows alike
+    fn masks(&self, ctx: &PrefillCtx, u: &Unit) -> Arc<Vec<Vec<u128>>> {
+        let p = ctx.prompt_len();
+        let w = self.w_h.min(p);
+        let key = format!(
+            "scissorhands_masks:w={w},uniform={},lambda={},masked={},heads={:?}",
+            self.uniform, self.lambda, self.include_masked, u.heads
+        );
+        ctx.memo(&key, || {
+            let mut masks = vec![vec![0u128; u.heads.len()]; p];
+            for (hh, h) in u.heads.clone().enumerate() {
+                let rows = ctx.attn_rows(h, p - w..p);
+                for (r, row) in rows.chunks_exact(p).enumerate() {
+                    let j = p - w + r;
+                    let theta = self.threshold(&row[..=j], p);
+                    let bit = 1u128 << (p - 1 - j);
+                    for (i, a) in row[..=j].iter().enumerate() {
+                        if *a > theta {
+                            masks[i][hh] |= bit;
+                        }
+                    }
+                }
+            }
+            masks
+        })
     }
 }
 
@@ -85,102 +117,62 @@ fn counts(masks: &[Vec<u128>]) -> Vec<f32> {
         .collect()
 }
 
-impl Policy for Scissorhands {
-    #[allow(clippy::needless_range_loop)] // hh indexes the group's heads in masks and rows alike
-    fn prefill(
-        &self,
-        ctx: &PrefillCtx,
-    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        let (p, b, gs) = (ctx.prompt_len(), ctx.budget, ctx.group());
-        let w = self.w_h.min(p);
-        let mut caches = Vec::new();
-        let mut all_masks = Vec::new();
-        for g in 0..ctx.n_kv_heads() {
-            // masks[i][h'] over the last w prompt rows: budget-independent, so
-            // computed once per trace and layer in a sweep
-            let key = format!(
-                "scissorhands_masks:w={w},uniform={},lambda={},masked={},g={g}",
-                self.uniform, self.lambda, self.include_masked
-            );
-            let masks = ctx.memo(&key, || {
-                let mut masks = vec![vec![0u128; gs]; p];
-                for hh in 0..gs {
-                    let rows = ctx.attn_rows(g * gs + hh, p - w..p);
-                    for (r, row) in rows.chunks_exact(p).enumerate() {
-                        let j = p - w + r;
-                        let theta = self.threshold(&row[..=j], p);
-                        let bit = 1u128 << (p - 1 - j);
-                        for (i, a) in row[..=j].iter().enumerate() {
-                            if *a > theta {
-                                masks[i][hh] |= bit;
-                            }
-                        }
-                    }
-                }
-                masks
-            });
-            let keep = if p <= b {
-                (0..p).collect()
-            } else {
-                let r = self.r.min(b);
-                let c = counts(&masks);
-                let mut keep = top_k(&c, &(0..p - r).collect::<Vec<_>>(), b - r, |i| i);
-                keep.extend(p - r..p);
-                keep
-            };
-            all_masks.push(keep.iter().map(|&i| masks[i].clone()).collect::<Vec<_>>());
-            caches.push(ctx.exact_cache(g, &keep));
-        }
-        let state: Box<dyn DecodeState> = if self.decode_evict {
-            Box::new(Evict {
-                masks: all_masks,
-                cfg: Scissorhands { ..*self },
+impl Scorer for Scissorhands {
+    fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
+        counts(&self.masks(ctx, u))
+    }
+    fn protect(&self, b: usize) -> Result<Protect, ReplayError> {
+        Ok(Protect::new(0, self.r, b))
+    }
+    fn decode_evict(&self) -> bool {
+        self.decode_evict
+    }
+    fn evict_batch(&self) -> usize {
+        self.m
+    }
+    fn decoder(&self, ctx: &PrefillCtx, sel: &Selected) -> Option<Box<dyn StepScorer>> {
+        let masks = sel
+            .units
+            .iter()
+            .zip(sel.kept)
+            .map(|(u, keep)| {
+                let m = self.masks(ctx, u);
+                keep.iter().map(|&i| m[i].clone()).collect()
             })
-        } else {
-            Box::new(AppendOnly)
-        };
-        Ok((caches, state))
+            .collect();
+        let heads = sel.units.iter().map(|u| u.heads.clone()).collect();
+        Some(Box::new(Pivotal { masks, heads, cfg: *self }))
     }
 }
 
-struct Evict {
-    /// Per KV head, per entry, per query head of the group: pivotal history bits.
+/// Decode-time pivotal histories.
+struct Pivotal {
+    /// Per cache, per entry, per query head of the cache: pivotal history bits.
     masks: Vec<Vec<Vec<u128>>>,
+    heads: Vec<std::ops::Range<usize>>,
     cfg: Scissorhands,
 }
 
-impl DecodeState for Evict {
-    fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
+impl StepScorer for Pivotal {
+    fn scores(&mut self, ctx: &StepCtx, c: usize, _: &HeadCache) -> Vec<f32> {
         let keep_bits = if self.cfg.w_h == 128 {
             u128::MAX
         } else {
             (1u128 << self.cfg.w_h) - 1
         };
-        for (g, c) in caches.iter_mut().enumerate() {
-            let masks = &mut self.masks[g];
-            masks.push(vec![0u128; ctx.group]);
-            for (hh, row) in ctx.probs[g * ctx.group..(g + 1) * ctx.group]
-                .iter()
-                .enumerate()
-            {
-                let theta = self.cfg.threshold(row, row.len());
-                for (e, a) in row.iter().enumerate() {
-                    let m = &mut masks[e][hh];
-                    *m = ((*m << 1) | (*a > theta) as u128) & keep_bits;
-                }
-            }
-            if c.len() > ctx.budget {
-                let r = self.cfg.r.min(ctx.budget);
-                for _ in 0..self.cfg.m.min(c.len() - r) {
-                    let n = c.len();
-                    let s = counts(masks);
-                    let pos = c.positions();
-                    let e = victim(&s, 0..n - r, |e| pos[e])
-                        .expect("candidates outside the recent window");
-                    c.remove(e);
-                    masks.remove(e);
-                }
+        let heads = self.heads[c].clone();
+        let masks = &mut self.masks[c];
+        masks.push(vec![0u128; heads.len()]);
+        for (hh, row) in ctx.probs[heads].iter().enumerate() {
+            let theta = self.cfg.threshold(row, row.len());
+            for (e, a) in row.iter().enumerate() {
+                let m = &mut masks[e][hh];
+                *m = ((*m << 1) | (*a > theta) as u128) & keep_bits;
             }
         }
+        counts(masks)
+    }
+    fn evicted(&mut self, c: usize, e: usize) {
+        self.masks[c].remove(e);
     }
 }

@@ -1,14 +1,16 @@
-//! StreamingLLM: attention sinks plus the most recent entries.
-//!
-//! Rule (landscape.md B3): keep positions 0..n_sink and the B - n_sink most
-//! recent; at each decode step evict the oldest non-sink entry. Original
-//! positions are kept (no position shift).
+//! StreamingLLM: attention sinks plus the most recent entries
+//! (docs/methods/streaming_llm.md). Keep positions 0..n_sink and the
+//! B − n_sink most recent; at each decode step evict the oldest non-sink
+//! entry. Original positions are kept (no position shift). As a scorer every
+//! position scores 0 and everything but the sinks is the recent window.
 
 use std::sync::Arc;
 
-use super::PolicyInfo;
+use super::{Build, Caps, PolicyInfo};
 use crate::cache::HeadCache;
-use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx, StepCtx};
+use crate::policy::{PrefillCtx, StepCtx};
+use crate::scorer::{Scorer, Selected, StepScorer, Unit};
+use crate::select::Protect;
 use crate::spec::{Kind, ParamInfo};
 use crate::ReplayError;
 
@@ -20,11 +22,9 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "n_sink", default: "4", kind: Kind::Int, help: "initial positions always kept (inside B)" },
         ParamInfo { name: "decode_evict", default: "true", kind: Kind::Bool, help: "hold B entries during decode (false: prefill only, decode appended)" },
     ],
-    wrapper: false,
-    build: |p, inner| {
-        super::base_only(p, inner)?;
-        Ok(Arc::new(StreamingLlm { n_sink: p.int("n_sink")?, decode_evict: p.bool("decode_evict")? }))
-    },
+    caps: Caps::EVICT_DECODE,
+    test: "streaming_llm_keeps_sinks_and_recent_and_evicts_oldest_non_sink",
+    build: Build::Scorer(|p| Ok(Arc::new(StreamingLlm { n_sink: p.int("n_sink")?, decode_evict: p.bool("decode_evict")? }))),
 };
 
 pub struct StreamingLlm {
@@ -32,46 +32,18 @@ pub struct StreamingLlm {
     pub decode_evict: bool,
 }
 
-/// Positions kept from a prompt of `p` with budget `b`.
-pub fn kept_positions(p: usize, b: usize, n_sink: usize) -> Vec<usize> {
-    if p <= b {
-        return (0..p).collect();
+impl Scorer for StreamingLlm {
+    fn score(&self, ctx: &PrefillCtx, _: &Unit) -> Vec<f32> {
+        vec![0.0; ctx.prompt_len()]
     }
-    let s = n_sink.min(b);
-    (0..s).chain(p - (b - s)..p).collect()
-}
-
-impl Policy for StreamingLlm {
-    fn prefill(
-        &self,
-        ctx: &PrefillCtx,
-    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        let keep = kept_positions(ctx.prompt_len(), ctx.budget, self.n_sink);
-        let caches = (0..ctx.n_kv_heads())
-            .map(|g| ctx.exact_cache(g, &keep))
-            .collect();
-        let state: Box<dyn DecodeState> = if self.decode_evict {
-            Box::new(Evict {
-                n_sink: self.n_sink,
-            })
-        } else {
-            Box::new(AppendOnly)
-        };
-        Ok((caches, state))
+    fn protect(&self, b: usize) -> Result<Protect, ReplayError> {
+        Ok(Protect::new(self.n_sink, usize::MAX, b))
     }
-}
-
-struct Evict {
-    n_sink: usize,
-}
-
-impl DecodeState for Evict {
-    fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
-        let s = self.n_sink.min(ctx.budget);
-        for c in caches.iter_mut() {
-            while c.len() > ctx.budget {
-                c.remove(s); // entries are in position order: index s is the oldest non-sink
-            }
-        }
+    fn decode_evict(&self) -> bool {
+        self.decode_evict
+    }
+    fn decoder(&self, _: &PrefillCtx, _: &Selected) -> Option<Box<dyn StepScorer>> {
+        // equal scores: the tie rule evicts the earliest non-sink entry
+        Some(Box::new(|_: &StepCtx, _: usize, c: &HeadCache| vec![0.0; c.len()]))
     }
 }

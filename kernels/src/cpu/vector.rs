@@ -1,0 +1,50 @@
+//! Small vector math shared by the policies: one definition each, so every
+//! policy rounds the same way.
+
+/// ‖x‖₂ with the squares accumulated in f64.
+pub fn l2_norm(x: &[f32]) -> f64 {
+    x.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>().sqrt()
+}
+
+/// ‖x‖₂ accumulated in f32 (MiniCache's reference computes its norms so).
+pub fn l2_norm_f32(x: &[f32]) -> f32 {
+    x.iter().map(|v| v * v).sum::<f32>().sqrt()
+}
+
+/// Cosine similarity in f64 (0 when either vector is zero).
+pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        ab += *x as f64 * *y as f64;
+        aa += (*x as f64).powi(2);
+        bb += (*y as f64).powi(2);
+    }
+    ab / (aa.sqrt() * bb.sqrt()).max(1e-12)
+}
+
+/// Max-shifted softmax in place with exp and normalisation in f64 (for
+/// scoring rows, where probabilities far below the maximum still matter).
+pub fn softmax_f64_norm(x: &mut [f32]) {
+    let mx = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+    let w: Vec<f64> = x.iter().map(|v| ((v - mx) as f64).exp()).collect();
+    let sum: f64 = w.iter().sum();
+    x.iter_mut().zip(&w).for_each(|(v, we)| *v = (we / sum) as f32);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_values() {
+        assert_eq!(l2_norm(&[3.0, 4.0]), 5.0);
+        assert_eq!(l2_norm_f32(&[3.0, 4.0]), 5.0);
+        assert_eq!(cosine(&[1.0, 0.0], &[0.0, 2.0]), 0.0);
+        assert!((cosine(&[1.0, 1.0], &[2.0, 2.0]) - 1.0).abs() < 1e-15);
+        assert_eq!(cosine(&[0.0, 0.0], &[1.0, 0.0]), 0.0);
+        // logits 0 and ln 3: probabilities 1/4 and 3/4
+        let mut x = [0.0f32, 3f32.ln()];
+        softmax_f64_norm(&mut x);
+        assert!((x[0] - 0.25).abs() < 1e-7 && (x[1] - 0.75).abs() < 1e-7);
+    }
+}

@@ -1,0 +1,316 @@
+//! The scorer layer: a scorer says how much each prompt position is worth
+//! (one score per cache and position, higher is kept), and one selection
+//! ([`TopK`]) turns scores into caches for every scorer: sinks and the recent
+//! window inside the budget, the tie rule, per-layer or per-head budgets
+//! (the allocation wrappers `pyramidkv` and `adakv`), decode-time eviction,
+//! and CaM's merge of evicted values. A scorer is the kvpress `score()`
+//! contract; everything else is written here once.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::cache::HeadCache;
+use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx, StepCtx};
+use crate::select::{keep_positions, victim, Protect, Tie};
+use crate::ReplayError;
+
+/// One cache a scorer scores: its KV head and the query heads that read it
+/// (the KV head's group, or a single query head for per-query-head caches).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unit {
+    pub kv_head: usize,
+    pub heads: Range<usize>,
+}
+
+/// How much each prompt position of a layer is worth.
+pub trait Scorer: Send + Sync {
+    /// Scores of `unit`'s prompt positions, indexed by position, higher kept.
+    /// Protected positions (sinks, the recent window) are never read, so the
+    /// vector may stop before the window: (P − recent,) at least.
+    fn score(&self, ctx: &PrefillCtx, unit: &Unit) -> Vec<f32>;
+
+    /// Positions kept inside budget `b` whatever their score.
+    fn protect(&self, _b: usize) -> Result<Protect, ReplayError> {
+        Ok(Protect::default())
+    }
+
+    /// Which of two equal scores survives.
+    fn tie(&self) -> Tie {
+        Tie::KeepLater
+    }
+
+    /// One cache per query head (the papers' `repeat_kv` mode) instead of one per KV head.
+    fn per_query_head(&self) -> bool {
+        false
+    }
+
+    /// A layer left uncompressed (KNorm's first layers).
+    fn skip_layer(&self, _layer: usize) -> bool {
+        false
+    }
+
+    /// Whether the cache holds its budget during decode (then [`decoder`](Self::decoder)
+    /// scores the entries and the lowest outside the protected ones is evicted).
+    fn decode_evict(&self) -> bool {
+        false
+    }
+
+    /// Decode-time scores, when [`decode_evict`](Self::decode_evict).
+    fn decoder(&self, _ctx: &PrefillCtx, _sel: &Selected) -> Option<Box<dyn StepScorer>> {
+        None
+    }
+
+    /// Entries evicted at once when the cache exceeds its budget (Scissorhands' m).
+    fn evict_batch(&self) -> usize {
+        1
+    }
+
+    /// The form whose scores are compared across heads (AdaKV's global
+    /// top-k): SnapKV averages its window votes there instead of summing them.
+    fn across_heads(&self) -> Option<Arc<dyn Scorer>> {
+        None
+    }
+}
+
+/// What the selection kept at prefill, per unit (cache).
+pub struct Selected<'a> {
+    pub units: &'a [Unit],
+    /// Kept prompt positions, ascending.
+    pub kept: &'a [Vec<usize>],
+    /// The prefill scores, indexed by position.
+    pub scores: &'a [Vec<f32>],
+}
+
+impl Selected<'_> {
+    /// Unit u's prefill scores of its kept positions (the decode scores' start).
+    pub fn kept_scores(&self, u: usize) -> Vec<f32> {
+        self.kept[u].iter().map(|&i| self.scores[u][i]).collect()
+    }
+}
+
+/// Decode-time scores of one layer's caches.
+pub trait StepScorer: Send {
+    /// Scores of cache `c`'s entries after this step's attention (the step's
+    /// new entry is the last one): (cache.len(),).
+    fn scores(&mut self, ctx: &StepCtx, c: usize, cache: &HeadCache) -> Vec<f32>;
+    /// Entry `e` of cache `c` was evicted.
+    fn evicted(&mut self, _c: usize, _e: usize) {}
+}
+
+/// How a layer's budget is spread over its caches.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Allocation {
+    /// B per cache.
+    Uniform,
+    /// PyramidKV: per-layer counts shrinking with depth.
+    Pyramid { beta: usize },
+    /// AdaKV: per-head counts from where the layer's top scores fall.
+    Ada { alpha: f64, normalize: bool },
+}
+
+/// Any closure of the right shape is a step scorer.
+impl<F: FnMut(&StepCtx, usize, &HeadCache) -> Vec<f32> + Send> StepScorer for F {
+    fn scores(&mut self, ctx: &StepCtx, c: usize, cache: &HeadCache) -> Vec<f32> {
+        self(ctx, c, cache)
+    }
+}
+
+/// Something done to an entry just before it is evicted (CaM merges its value
+/// into the entries that follow). Built per layer at prefill.
+pub trait EvictMerge: Send + Sync {
+    /// Prefill: `full` holds every prompt entry of `unit`; apply the evictions
+    /// of the positions not in `keep`, then keep only `keep`. Returns the
+    /// cache and the per-entry state the decode merges need.
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+        unit: &Unit,
+        index: usize,
+        full: HeadCache,
+        keep: &[usize],
+    ) -> (HeadCache, Box<dyn EvictMergeState>);
+}
+
+/// Decode-time state of an [`EvictMerge`] for one cache.
+pub trait EvictMergeState: Send {
+    /// After the step's attention, before any eviction.
+    fn observe(&mut self, ctx: &StepCtx, heads: Range<usize>);
+    /// Entry `e` is about to be evicted from `cache`.
+    fn before_evict(&mut self, cache: &mut HeadCache, e: usize);
+}
+
+/// The shared selection over any scorer: a policy in its own right (every
+/// scorer is one) and the body of the allocation and merge wrappers.
+pub struct TopK {
+    pub scorer: Arc<dyn Scorer>,
+    pub allocation: Allocation,
+    pub merge: Option<Arc<dyn EvictMerge>>,
+}
+
+impl TopK {
+    pub fn new(scorer: Arc<dyn Scorer>) -> TopK {
+        TopK {
+            scorer,
+            allocation: Allocation::Uniform,
+            merge: None,
+        }
+    }
+
+    /// Selected entries (protected ones excluded) per unit, for a prompt longer than B.
+    fn counts(&self, ctx: &PrefillCtx, prot: Protect, scores: &[Vec<f32>]) -> Vec<usize> {
+        let (p, b) = (ctx.prompt_len(), ctx.budget);
+        let avg = b - prot.total();
+        let n = scores.len();
+        match self.allocation {
+            _ if avg == 0 => vec![0; n],
+            Allocation::Uniform => vec![avg; n],
+            Allocation::Pyramid { beta } => {
+                let c = crate::policies::pyramidkv::layer_count(
+                    p,
+                    b,
+                    prot.total(),
+                    beta,
+                    ctx.layer(),
+                    ctx.n_layers(),
+                )
+                .unwrap_or(avg);
+                vec![c; n]
+            }
+            Allocation::Ada { alpha, normalize } => {
+                let cand = prot.sinks..p - prot.recent;
+                let s: Vec<&[f32]> = scores.iter().map(|s| &s[cand.clone()]).collect();
+                crate::policies::adakv::head_budgets(&s, avg, alpha, normalize)
+            }
+        }
+    }
+}
+
+impl Policy for TopK {
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+        let s = &*self.scorer;
+        let (p, b) = (ctx.prompt_len(), ctx.budget);
+        let units: Vec<Unit> = ctx
+            .cache_units(s.per_query_head())
+            .into_iter()
+            .map(|(kv_head, heads)| Unit { kv_head, heads })
+            .collect();
+        if s.skip_layer(ctx.layer()) {
+            let caches = units.iter().map(|u| ctx.full_cache(u.kv_head)).collect();
+            return Ok((caches, Box::new(AppendOnly)));
+        }
+        let prot = s.protect(b)?;
+        let compress = p > b;
+        // AdaKV compares scores across heads in the scorer's cross-head form.
+        let scorer = match self.allocation {
+            Allocation::Ada { .. } => s.across_heads(),
+            _ => None,
+        };
+        let scorer = scorer.as_deref().unwrap_or(s);
+        let decoding = scorer.decode_evict();
+        let selecting = compress && b > prot.total();
+        let scores: Vec<Vec<f32>> = if selecting || decoding {
+            units.iter().map(|u| scorer.score(ctx, u)).collect()
+        } else {
+            vec![Vec::new(); units.len()]
+        };
+        let (kept, capacity): (Vec<Vec<usize>>, Vec<usize>) = if compress {
+            let counts = self.counts(ctx, prot, &scores);
+            units
+                .iter()
+                .enumerate()
+                .map(|(u, _)| {
+                    let keep = keep_positions(p, prot, &scores[u], counts[u], s.tie());
+                    (keep, prot.total() + counts[u])
+                })
+                .unzip()
+        } else {
+            units.iter().map(|_| ((0..p).collect(), b)).unzip()
+        };
+        let mut merges = Vec::new();
+        let caches = units
+            .iter()
+            .zip(&kept)
+            .enumerate()
+            .map(|(i, (u, keep))| match &self.merge {
+                Some(m) => {
+                    let (c, st) = m.prefill(ctx, u, i, ctx.full_cache(u.kv_head), keep);
+                    merges.push(st);
+                    c
+                }
+                None => ctx.exact_cache(u.kv_head, keep),
+            })
+            .collect();
+        let step = decoding
+            .then(|| {
+                let sel = Selected {
+                    units: &units,
+                    kept: &kept,
+                    scores: &scores,
+                };
+                scorer.decoder(ctx, &sel)
+            })
+            .flatten();
+        let state: Box<dyn DecodeState> = match step {
+            Some(step) => Box::new(Evict {
+                step,
+                prot,
+                tie: s.tie(),
+                batch: s.evict_batch().max(1),
+                capacity,
+                heads: units.into_iter().map(|u| u.heads).collect(),
+                merges,
+            }),
+            None => Box::new(AppendOnly),
+        };
+        Ok((caches, state))
+    }
+}
+
+/// Decode-time eviction for every scorer: after each step, while a cache
+/// holds more than its budget, evict the lowest-scoring entry outside the
+/// sinks and the recent window (`batch` at a time).
+struct Evict {
+    step: Box<dyn StepScorer>,
+    prot: Protect,
+    tie: Tie,
+    batch: usize,
+    /// Per cache: entries it may hold.
+    capacity: Vec<usize>,
+    /// Per cache: the query heads that read it.
+    heads: Vec<Range<usize>>,
+    /// Per cache, when evicted entries are merged (CaM).
+    merges: Vec<Box<dyn EvictMergeState>>,
+}
+
+impl DecodeState for Evict {
+    fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
+        for (c, cache) in caches.iter_mut().enumerate() {
+            if let Some(m) = self.merges.get_mut(c) {
+                m.observe(ctx, self.heads[c].clone());
+            }
+            let mut s = self.step.scores(ctx, c, cache);
+            debug_assert_eq!(s.len(), cache.len());
+            while cache.len() > self.capacity[c] {
+                let room = cache.len().saturating_sub(self.prot.total());
+                if room == 0 {
+                    break;
+                }
+                for _ in 0..self.batch.min(room) {
+                    let n = cache.len();
+                    let pos = cache.positions();
+                    let cand = self.prot.sinks..n - self.prot.recent;
+                    let e = victim(&s, cand, |e| pos[e], self.tie).expect("room > 0");
+                    if let Some(m) = self.merges.get_mut(c) {
+                        m.before_evict(cache, e);
+                    }
+                    cache.remove(e);
+                    s.remove(e);
+                    self.step.evicted(c, e);
+                }
+            }
+        }
+    }
+}
