@@ -150,15 +150,16 @@ fn timed_sweep(
     budgets: &[usize],
 ) -> Result<SweepTiming> {
     use kvreplay_replay::{Budget, PolicySpec};
-    kvreplay_replay::memo::clear();
     let t0 = std::time::Instant::now();
+    // cold start: a new replay of the trace keeps nothing from earlier runs
+    let tr = kvreplay_replay::TraceReplay::new(trace, &Default::default())?;
     let (mut per_policy, mut points) = (Vec::new(), Vec::new());
     for name in policies {
         let spec = PolicySpec::parse(name)?;
         let p = spec.build()?;
         let tp = std::time::Instant::now();
         for &b in budgets {
-            let r = kvreplay_replay::replay(trace, p.as_ref(), Budget::Entries(b))?;
+            let r = tr.replay(p.as_ref(), Budget::Entries(b))?;
             points.push((
                 name.to_string(),
                 b,
@@ -192,12 +193,12 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
     let mut cold = Vec::new();
     let mut warm = Vec::new();
     for _ in 0..b.reps {
-        kvreplay_replay::memo::clear();
         let t0 = std::time::Instant::now();
-        kvreplay_replay::replay(&trace, one.as_ref(), Budget::Entries(256))?;
+        let tr = kvreplay_replay::TraceReplay::new(&trace, &Default::default())?;
+        tr.replay(one.as_ref(), Budget::Entries(256))?;
         cold.push(t0.elapsed().as_secs_f64());
         let t0 = std::time::Instant::now();
-        kvreplay_replay::replay(&trace, one.as_ref(), Budget::Entries(256))?;
+        tr.replay(one.as_ref(), Budget::Entries(256))?;
         warm.push(t0.elapsed().as_secs_f64());
     }
     let fmt = |v: &[f64]| {
@@ -381,7 +382,6 @@ pub fn bench_scaling(b: &ScalingBench) -> Result<()> {
         let trace = kvreplay_traces::Trace::open(&dir)?;
         let mut times = Vec::new();
         for _ in 0..b.reps {
-            kvreplay_replay::memo::clear();
             let t0 = std::time::Instant::now();
             kvreplay_replay::replay(&trace, policy.as_ref(), Budget::Entries(b.budget))?;
             times.push(t0.elapsed().as_secs_f64());
@@ -395,7 +395,6 @@ pub fn bench_scaling(b: &ScalingBench) -> Result<()> {
         );
         rows.push((len as f64, t));
     }
-    kvreplay_replay::memo::clear();
     if rows.len() >= 2 {
         let n = rows.len() as f64;
         let (xs, ys): (Vec<f64>, Vec<f64>) = rows.iter().map(|(p, t)| (p.ln(), t.ln())).unzip();

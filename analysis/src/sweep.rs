@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 use kvreplay_kernels::Backend;
-use kvreplay_replay::{replay_on, Budget, PolicySpec, ReplayError};
+use kvreplay_replay::{Budget, PolicySpec, ReplayError, TraceReplay};
 use kvreplay_traces::Trace;
 
 #[derive(Debug, thiserror::Error)]
@@ -222,15 +222,12 @@ fn prepare(out: &Path, plan: &Plan) -> Result<(), SweepError> {
     }
 }
 
-fn run_point(plan: &Plan, p: &Point, backend: &Backend) -> Result<PointResult, SweepError> {
-    let trace = Trace::open(&plan.traces[p.trace]).map_err(ReplayError::from)?;
+/// Run one point on `tr`, the replay of the point's trace (kept across the
+/// trace's points, so budget-independent work is done once per trace).
+fn run_point(plan: &Plan, p: &Point, tr: &TraceReplay) -> Result<PointResult, SweepError> {
+    let trace = tr.trace();
     let spec = PolicySpec::parse(&plan.policies[p.policy])?;
-    let r = replay_on(
-        &trace,
-        spec.build()?.as_ref(),
-        Budget::Entries(p.budget),
-        backend,
-    )?;
+    let r = tr.replay(spec.build()?.as_ref(), Budget::Entries(p.budget))?;
     let name = trace_name(&plan.traces[p.trace]);
     let short = spec.short();
     let rows: Vec<ResultRow> = r
@@ -354,24 +351,41 @@ pub fn run_on(
         .map(|(_, p)| p)
         .collect();
     let (mut ran, mut reused) = (0, 0);
-    for (i, p) in mine.iter().enumerate() {
-        let path = out
-            .join("points")
-            .join(format!("{}.json", plan.point_id(p)));
-        let label = format!(
-            "{} {} B={}",
-            trace_name(&plan.traces[p.trace]),
-            plan.policies[p.policy].split(':').next().unwrap_or(""),
-            p.budget
-        );
-        progress(i, mine.len(), &label);
-        if path.exists() {
-            reused += 1;
-            continue;
+    let mut i = 0;
+    // Points come in trace order: one open trace (and its replay, which keeps
+    // the budget-independent results) per run of points of the same trace,
+    // opened only if one of them is still to be computed.
+    for run in mine.chunk_by(|a, b| a.trace == b.trace) {
+        let trace = std::cell::OnceCell::new();
+        let replay = std::cell::OnceCell::new();
+        for p in run {
+            let path = out
+                .join("points")
+                .join(format!("{}.json", plan.point_id(p)));
+            let label = format!(
+                "{} {} B={}",
+                trace_name(&plan.traces[p.trace]),
+                plan.policies[p.policy].split(':').next().unwrap_or(""),
+                p.budget
+            );
+            progress(i, mine.len(), &label);
+            i += 1;
+            if path.exists() {
+                reused += 1;
+                continue;
+            }
+            if trace.get().is_none() {
+                let t = Trace::open(&plan.traces[p.trace]).map_err(ReplayError::from)?;
+                let _ = trace.set(t);
+            }
+            if replay.get().is_none() {
+                let t = trace.get().expect("opened above");
+                let _ = replay.set(TraceReplay::new(t, backend)?);
+            }
+            let r = run_point(plan, p, replay.get().expect("made above"))?;
+            write_atomic(&path, &serde_json::to_vec(&r).expect("point serialises"))?;
+            ran += 1;
         }
-        let r = run_point(plan, p, backend)?;
-        write_atomic(&path, &serde_json::to_vec(&r).expect("point serialises"))?;
-        ran += 1;
     }
     progress(mine.len(), mine.len(), "");
     let complete = assemble(out, plan)?;

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use kvreplay_traces::Trace;
 
 use crate::cache::HeadCache;
-use crate::policy::{LayerData, Policy, PrefillCtx, StepCtx};
+use crate::policy::{LayerData, Policy, PrefillCtx};
+use crate::session::Session;
 use crate::ReplayError;
 use kvreplay_kernels::Backend;
 use std::ops::Range;
@@ -175,20 +176,9 @@ pub fn load_layer_shared(trace: &Trace, l: usize, all_colsum: &Arc<Vec<Vec<f32>>
         colsum: all_colsum[l].clone(),
         all_colsum: Some(all_colsum.clone()),
         rope: Some(rope_params(&m.model.rope)),
-        trace_id: Some(trace_identity(trace)),
+        memo: None,
         backend: Backend::Cpu,
     }
-}
-
-/// What identifies a trace's contents: its layer files' checksums.
-pub fn trace_identity(trace: &Trace) -> Arc<str> {
-    trace
-        .manifest
-        .files
-        .iter()
-        .map(|f| &f.sha256[..16.min(f.sha256.len())])
-        .collect::<String>()
-        .into()
 }
 
 /// Attention of query `q` over `cache`: the output (d,), the unnormalised
@@ -313,6 +303,14 @@ fn attend_heads(
         .collect())
 }
 
+/// The full-cache reference of a layer (memo key): per decode step and
+/// query head, the output, weights and their sum.
+#[derive(PartialEq, Debug)]
+struct FullReference;
+impl crate::memo::MemoKey for FullReference {
+    type Value = Reference;
+}
+
 /// Replay `policy` on layer `data` with budget `b`.
 pub fn replay_layer(
     data: &LayerData,
@@ -338,46 +336,13 @@ fn replay_group_refs(
     b: usize,
 ) -> Result<Vec<LayerResult>, ReplayError> {
     let (p, t) = (datas[0].prompt_len, datas[0].total_len);
-    let ctxs: Vec<PrefillCtx> = datas.iter().map(|d| PrefillCtx::new(d, b)).collect();
-    let (mut caches, mut state) = policy.prefill_group(&ctxs)?;
-    assert_eq!(
-        caches.len(),
-        datas.len(),
-        "policy returned caches for {} of {} layers",
-        caches.len(),
-        datas.len()
-    );
-    for (c, d) in caches.iter().zip(datas) {
-        assert!(
-            c.len() == d.n_kv_heads || c.len() == d.n_heads,
-            "policy returned {} caches for {} KV heads / {} query heads",
-            c.len(),
-            d.n_kv_heads,
-            d.n_heads
-        );
-    }
-    // A policy returns one cache per KV head (shared by its query heads) or one
-    // per query head (each built from its KV head: the papers' repeat_kv mode).
-    let per_query: Vec<bool> = caches
-        .iter()
-        .zip(datas)
-        .map(|(c, d)| c.len() == d.n_heads && d.n_heads != d.n_kv_heads)
-        .collect();
-    let cache_of = |i: usize, h: usize| {
-        if per_query[i] {
-            h
-        } else {
-            h / datas[i].group()
-        }
-    };
+    let mut session = Session::prefill(policy, datas, b)?;
     // The full-cache reference of every decode step: independent of the policy
     // and the budget, so computed once per trace and layer in a sweep.
     let reference: Vec<Arc<Reference>> = datas
         .iter()
-        .map(|d| match &d.trace_id {
-            Some(id) => {
-                crate::memo::try_get_or(id, d.layer, "full_reference", || full_reference(d))
-            }
+        .map(|d| match &d.memo {
+            Some(m) => m.try_get_or(FullReference, || full_reference(d)),
             None => full_reference(d).map(Arc::new),
         })
         .collect::<Result<_, _>>()?;
@@ -385,18 +350,10 @@ fn replay_group_refs(
     let mut probs: Vec<Vec<Vec<f32>>> = datas.iter().map(|d| vec![Vec::new(); d.n_heads]).collect();
     for pos in p..t {
         for (i, data) in datas.iter().enumerate() {
-            let group = data.group();
-            for (c, cache) in caches[i].iter_mut().enumerate() {
-                let g = if per_query[i] { c / group } else { c };
-                cache.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
-            }
+            session.append(i, pos, |g| (data.k_row(g, pos), data.v_row(g, pos)));
             // the query heads that read each cache attend together (GQA)
-            for (c, cache) in caches[i].iter().enumerate() {
-                let heads = if per_query[i] {
-                    c..c + 1
-                } else {
-                    c * group..(c + 1) * group
-                };
+            for (c, cache) in session.caches(i).iter().enumerate() {
+                let heads = session.heads_of(i, c);
                 let outs = attend_heads(data, heads.clone(), pos, cache)?;
                 for (h, (o_c, c_w, c_z)) in heads.zip(outs) {
                     let (o_f, f_w, f_z) = &reference[i][pos - p][h];
@@ -412,22 +369,15 @@ fn replay_group_refs(
             .iter()
             .map(|d| (0..d.n_heads).map(|h| d.q_row(h, pos)).collect())
             .collect();
-        let sctxs: Vec<StepCtx> = datas
-            .iter()
-            .enumerate()
-            .map(|(i, d)| StepCtx {
-                layer: d.layer,
-                pos,
-                budget: b,
-                group: d.group(),
-                probs: &probs[i],
-                queries: &queries[i],
-                scale: d.scale,
-            })
-            .collect();
-        state.step(&sctxs, &mut caches);
+        session.step(pos, &probs, &queries);
     }
     let steps = (t - p) as f64;
+    let cache_of: Vec<Vec<usize>> = datas
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (0..d.n_heads).map(|h| session.cache_of(i, h)).collect())
+        .collect();
+    let caches = session.into_caches();
     Ok(datas
         .iter()
         .zip(&caches)
@@ -442,7 +392,7 @@ fn replay_group_refs(
                     cosine: sums[h][1] / steps,
                     attn_mass: sums[h][2] / steps,
                     kl: sums[h][3] / steps,
-                    bytes: caches[cache_of(i, h)].bytes(),
+                    bytes: caches[cache_of[i][h]].bytes(),
                 })
                 .collect();
             let mut retained = Vec::new();
@@ -468,8 +418,85 @@ fn replay_group_refs(
         .collect())
 }
 
-/// Replay `policy` on every layer of `trace` on the CPU (layers in parallel;
-/// results do not depend on the thread count).
+/// A trace opened for replay: each layer's f32 copy (converted on first use)
+/// and its budget-independent results, kept for every policy and budget
+/// replayed through it, so a sweep pays the conversion and the full-cache
+/// reference once per trace. Dropping it frees them; a new one starts cold.
+pub struct TraceReplay<'t> {
+    trace: &'t Trace,
+    backend: Backend,
+    colsums: Arc<Vec<Vec<f32>>>,
+    layers: Vec<std::sync::OnceLock<Arc<LayerData>>>,
+}
+
+impl<'t> TraceReplay<'t> {
+    /// Replay on `backend`; checks that the trace has decode queries.
+    pub fn new(trace: &'t Trace, backend: &Backend) -> Result<TraceReplay<'t>, ReplayError> {
+        if trace.manifest.generation.n_decode == 0 {
+            return Err(ReplayError::TraceLacks {
+                path: trace.dir().display().to_string(),
+                msg: "has no decode tokens, so there are no decode queries to replay; capture it with --decode N (N >= 1)".into(),
+            });
+        }
+        Ok(TraceReplay {
+            trace,
+            backend: backend.clone(),
+            colsums: prompt_colsums(trace),
+            layers: (0..trace.n_layers()).map(|_| Default::default()).collect(),
+        })
+    }
+
+    pub fn trace(&self) -> &Trace {
+        self.trace
+    }
+
+    /// Layer `l` as f32 with its memo.
+    pub fn layer(&self, l: usize) -> Arc<LayerData> {
+        self.layers[l]
+            .get_or_init(|| {
+                let mut d = load_layer_shared(self.trace, l, &self.colsums);
+                d.backend = self.backend.clone();
+                d.memo = Some(Default::default());
+                Arc::new(d)
+            })
+            .clone()
+    }
+
+    /// Replay `policy` on every layer (layer groups in parallel; results do
+    /// not depend on the thread count).
+    pub fn replay(&self, policy: &dyn Policy, budget: Budget) -> Result<ReplayResult, ReplayError> {
+        let m = &self.trace.manifest;
+        let b = budget.resolve(m.prompt_len())?;
+        let groups = policy.layer_groups(self.trace.n_layers(), b, m.prompt_len());
+        let results = groups
+            .par_iter()
+            .map(|group| {
+                let datas: Vec<Arc<LayerData>> = group.iter().map(|&l| self.layer(l)).collect();
+                let refs: Vec<&LayerData> = datas.iter().map(|d| d.as_ref()).collect();
+                Ok(group
+                    .iter()
+                    .copied()
+                    .zip(replay_group_refs(&refs, policy, b)?)
+                    .collect::<Vec<_>>())
+            })
+            .collect::<Result<Vec<_>, ReplayError>>()?;
+        let mut layers: Vec<(usize, LayerResult)> = results.into_iter().flatten().collect();
+        layers.sort_by_key(|x| x.0);
+        if !layers.iter().enumerate().all(|(i, x)| x.0 == i) {
+            return Err(ReplayError::Contract {
+                policy: policy.name(),
+                msg: format!("its layer groups {groups:?} do not cover every layer once"),
+            });
+        }
+        Ok(ReplayResult {
+            budget: b,
+            layers: layers.into_iter().map(|x| x.1).collect(),
+        })
+    }
+}
+
+/// Replay `policy` on every layer of `trace` on the CPU, from a cold start
+/// (for many points of one trace, keep a [`TraceReplay`]).
 pub fn replay(
     trace: &Trace,
     policy: &dyn Policy,
@@ -485,49 +512,5 @@ pub fn replay_on(
     budget: Budget,
     backend: &Backend,
 ) -> Result<ReplayResult, ReplayError> {
-    let m = &trace.manifest;
-    if m.generation.n_decode == 0 {
-        return Err(ReplayError::TraceLacks {
-            path: trace.dir().display().to_string(),
-            msg: "has no decode tokens, so there are no decode queries to replay; capture it with --decode N (N >= 1)".into(),
-        });
-    }
-    let b = budget.resolve(m.prompt_len())?;
-    let colsums = prompt_colsums(trace);
-    let memo_id = crate::policy::device_trace_id(&trace_identity(trace), backend);
-    let groups = policy.layer_groups(trace.n_layers(), b, m.prompt_len());
-    let results = groups
-        .par_iter()
-        .map(|group| {
-            // The f32 copy of a layer is converted once per trace and device
-            // and shared by every policy and budget of a sweep.
-            let datas: Vec<Arc<LayerData>> = group
-                .iter()
-                .map(|&l| {
-                    crate::memo::get_or(&memo_id, l, "layer_data", || {
-                        let mut d = load_layer_shared(trace, l, &colsums);
-                        d.set_backend(backend);
-                        debug_assert_eq!(d.trace_id.as_deref(), Some(&*memo_id));
-                        d
-                    })
-                })
-                .collect();
-            let refs: Vec<&LayerData> = datas.iter().map(|d| d.as_ref()).collect();
-            Ok(group
-                .iter()
-                .copied()
-                .zip(replay_group_refs(&refs, policy, b)?)
-                .collect::<Vec<_>>())
-        })
-        .collect::<Result<Vec<_>, ReplayError>>()?;
-    let mut layers: Vec<(usize, LayerResult)> = results.into_iter().flatten().collect();
-    layers.sort_by_key(|x| x.0);
-    assert!(
-        layers.iter().enumerate().all(|(i, x)| x.0 == i),
-        "layer groups must cover every layer once"
-    );
-    Ok(ReplayResult {
-        budget: b,
-        layers: layers.into_iter().map(|x| x.1).collect(),
-    })
+    TraceReplay::new(trace, backend)?.replay(policy, budget)
 }

@@ -31,6 +31,8 @@ pub enum ReplayError {
         path: std::path::PathBuf,
         err: std::io::Error,
     },
+    #[error("policy `{policy}` broke the replay contract: {msg} (a bug in the policy; please report it)")]
+    Contract { policy: String, msg: String },
     #[error("{path}: writing CSV: {err}")]
     Csv {
         path: std::path::PathBuf,

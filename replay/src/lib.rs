@@ -16,12 +16,16 @@ pub mod policies;
 pub mod policy;
 pub mod scorer;
 pub mod select;
+pub mod session;
 pub mod spec;
 
 pub use cache::HeadCache;
-pub use engine::{replay, replay_layer, replay_on, Budget, HeadMetrics, ReplayResult, Retained};
+pub use engine::{
+    replay, replay_layer, replay_on, Budget, HeadMetrics, ReplayResult, Retained, TraceReplay,
+};
 pub use error::ReplayError;
 pub use policies::{PolicyInfo, REGISTRY};
 pub use policy::{LayerData, Policy, PrefillCtx, StepCtx};
 pub use scorer::{Scorer, StepScorer, TopK, Unit};
+pub use session::Session;
 pub use spec::PolicySpec;

@@ -38,29 +38,15 @@ pub struct LayerData {
     /// The model's rotary embedding (to undo or redo the rotation of stored
     /// keys); None when unknown.
     pub rope: Option<kvreplay_kernels::cpu::RopeParams>,
-    /// Identity of the trace (its layer files' checksums) and the device,
-    /// under which budget-independent results are reused; None: never reused.
-    pub trace_id: Option<std::sync::Arc<str>>,
+    /// Where budget-independent results of this layer are kept and reused
+    /// (owned by the [`TraceReplay`](crate::TraceReplay) that loaded the
+    /// layer); None: computed every time.
+    pub memo: Option<std::sync::Arc<crate::memo::Memo>>,
     /// Where attention is computed.
     pub backend: kvreplay_kernels::Backend,
 }
 
-/// The key under which budget-independent results of a trace are kept:
-/// the trace's identity and the device (results differ between devices).
-pub fn device_trace_id(trace_id: &str, backend: &kvreplay_kernels::Backend) -> String {
-    format!("{trace_id}@{}", backend.device().name())
-}
-
 impl LayerData {
-    /// Compute on `backend`; budget-independent results are then kept apart
-    /// from those of other devices.
-    pub fn set_backend(&mut self, backend: &kvreplay_kernels::Backend) {
-        if let Some(id) = &self.trace_id {
-            let base = id.split('@').next().unwrap_or(id);
-            self.trace_id = Some(device_trace_id(base, backend).into());
-        }
-        self.backend = backend.clone();
-    }
     pub fn group(&self) -> usize {
         self.n_heads / self.n_kv_heads
     }
@@ -137,16 +123,17 @@ impl<'a> PrefillCtx<'a> {
     pub fn rope(&self) -> Option<kvreplay_kernels::cpu::RopeParams> {
         self.data.rope
     }
-    /// `f()`, computed once per trace, layer and `key` and reused by every
-    /// budget and policy: for results that do not depend on the budget. The
-    /// key must name everything the value depends on besides the layer.
-    pub fn memo<T: std::any::Any + Send + Sync>(
+    /// `f()`, computed once per layer and `key` and reused by every budget
+    /// and policy replayed through the same trace: for results that do not
+    /// depend on the budget. The key names everything the value depends on
+    /// besides the layer.
+    pub fn memo<K: crate::memo::MemoKey>(
         &self,
-        key: &str,
-        f: impl FnOnce() -> T,
-    ) -> std::sync::Arc<T> {
-        match &self.data.trace_id {
-            Some(id) => crate::memo::get_or(id, self.data.layer, key, f),
+        key: K,
+        f: impl FnOnce() -> K::Value,
+    ) -> std::sync::Arc<K::Value> {
+        match &self.data.memo {
+            Some(m) => m.get_or(key, f),
             None => std::sync::Arc::new(f()),
         }
     }
@@ -275,6 +262,15 @@ impl StepCtx<'_> {
 
 /// A compression policy. `prefill` must be causal (it only gets a `PrefillCtx`).
 pub trait Policy: Send + Sync {
+    /// Name for error messages (the Rust type, unless the policy says better).
+    fn name(&self) -> String {
+        std::any::type_name::<Self>()
+            .rsplit("::")
+            .next()
+            .unwrap_or("policy")
+            .to_string()
+    }
+
     fn prefill(
         &self,
         ctx: &PrefillCtx,

@@ -128,12 +128,14 @@ fn reused_budget_independent_results_change_nothing() {
         "adakv:w=4",
     ] {
         let p = PolicySpec::parse(spec).unwrap().build().unwrap();
+        // one TraceReplay: the second budget and the repeat reuse the memo
+        let tr = kvreplay_replay::TraceReplay::new(&trace, &Default::default()).unwrap();
         for b in [6, 10] {
-            let cached = replay(&trace, p.as_ref(), Budget::Entries(b)).unwrap();
-            let again = replay(&trace, p.as_ref(), Budget::Entries(b)).unwrap();
+            let cached = tr.replay(p.as_ref(), Budget::Entries(b)).unwrap();
+            let again = tr.replay(p.as_ref(), Budget::Entries(b)).unwrap();
+            assert!(!tr.layer(0).memo.as_ref().unwrap().is_empty(), "{spec}: nothing kept");
             for l in 0..2 {
-                let mut d = kvreplay_replay::engine::load_layer(&trace, l);
-                d.trace_id = None;
+                let d = kvreplay_replay::engine::load_layer(&trace, l);
                 let fresh = kvreplay_replay::replay_layer(&d, p.as_ref(), b).unwrap();
                 assert_eq!(
                     format!("{:?}", cached.layers[l]),

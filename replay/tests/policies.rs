@@ -5,8 +5,8 @@ mod common;
 
 use common::{random_layer, simple_layer};
 use kvreplay_replay::engine::{attend, replay_layer};
-use kvreplay_replay::policy::{LayerData, PrefillCtx, StepCtx};
-use kvreplay_replay::{HeadCache, PolicySpec, REGISTRY};
+use kvreplay_replay::policy::{LayerData, PrefillCtx};
+use kvreplay_replay::{HeadCache, PolicySpec, Session, REGISTRY};
 
 /// Kept prompt positions per KV head after prefill.
 fn kept(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<usize>> {
@@ -15,44 +15,25 @@ fn kept(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<usize>> {
     caches.iter().map(|c| c.positions()).collect()
 }
 
-/// Run prefill and every decode step the way the engine does, returning the
-/// caches after each step (for invariants on decode-time policies).
+/// Run prefill and every decode step through the engine's loop (a
+/// `Session`), returning the caches after prefill and after each step (for
+/// invariants on decode-time policies).
 fn run_steps(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<HeadCache>> {
     let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
-    let (mut caches, mut state) = policy.prefill(&PrefillCtx::new(data, budget)).unwrap();
-    let mut out = vec![caches.clone()];
-    // One cache per KV head, or one per query head (as the engine decides).
-    let per_query = caches.len() == data.n_heads && data.n_heads != data.n_kv_heads;
-    let cache_of = |h: usize| if per_query { h } else { h / data.group() };
+    let mut s = Session::prefill(policy.as_ref(), &[data], budget).unwrap();
+    let mut out = vec![s.caches(0).to_vec()];
     for pos in data.prompt_len..data.total_len {
-        for (c, cache) in caches.iter_mut().enumerate() {
-            let g = if per_query { c / data.group() } else { c };
-            cache.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
-        }
+        s.append(0, pos, |g| (data.k_row(g, pos), data.v_row(g, pos)));
         let probs: Vec<Vec<f32>> = (0..data.n_heads)
             .map(|h| {
-                let (_, w, z) = attend(
-                    data.q_row(h, pos),
-                    &caches[cache_of(h)],
-                    data.scale,
-                    &data.backend,
-                )
-                .unwrap();
+                let cache = &s.caches(0)[s.cache_of(0, h)];
+                let (_, w, z) = attend(data.q_row(h, pos), cache, data.scale, &data.backend).unwrap();
                 w.iter().map(|x| (x / z) as f32).collect()
             })
             .collect();
         let queries: Vec<&[f32]> = (0..data.n_heads).map(|h| data.q_row(h, pos)).collect();
-        let ctx = StepCtx {
-            layer: data.layer,
-            pos,
-            budget,
-            group: data.group(),
-            probs: &probs,
-            queries: &queries,
-            scale: data.scale,
-        };
-        state.step(&ctx, &mut caches);
-        out.push(caches.clone());
+        s.step(pos, &[probs], &[queries]);
+        out.push(s.caches(0).to_vec());
     }
     out
 }
@@ -649,11 +630,11 @@ fn minicache_merges_parallel_layers_losslessly_and_charges_one_direction() {
         .unwrap()
         .build()
         .unwrap();
-    let (a2, mut b2) = (
+    let (mut a2, mut b2) = (
         random_layer(31, 4, 2, 8, 20, 24),
         random_layer(32, 4, 2, 8, 20, 24),
     );
-    b2.layer = 1;
+    (b2.layer, a2.n_layers, b2.n_layers) = (1, 2, 2);
     let r = kvreplay_replay::engine::replay_group(&[a2, b2], p.as_ref(), 10).unwrap();
     assert_eq!((r[0].bytes + r[1].bytes) * 8, 2 * 24 * 2 * 8 * 16);
 }
@@ -899,9 +880,9 @@ fn d2o_split_matching_merges_halves_separately() {
 /// scale and minimum), re-normalised; norms and retained tokens stay f16.
 #[test]
 fn minicache_4bit_directions_cost_their_quantised_bits() {
-    let a = random_layer(31, 4, 2, 8, 20, 24);
+    let mut a = random_layer(31, 4, 2, 8, 20, 24);
     let mut b = random_layer(31, 4, 2, 8, 20, 24);
-    b.layer = 1;
+    (b.layer, a.n_layers, b.n_layers) = (1, 2, 2);
     a.k.iter()
         .zip(b.k.iter_mut())
         .for_each(|(x, y)| *y = 2.0 * x);

@@ -10,8 +10,8 @@ use kvreplay_capture::Model;
 use kvreplay_kernels::cpu::{self, AttentionStats};
 use kvreplay_kernels::{Backend, KernelError};
 use kvreplay_replay::cache::HeadCache;
-use kvreplay_replay::policy::{LayerData, Policy, PrefillCtx, StepCtx};
-use kvreplay_replay::ReplayError;
+use kvreplay_replay::policy::{LayerData, Policy};
+use kvreplay_replay::{ReplayError, Session};
 
 use crate::ValidateError;
 
@@ -87,7 +87,7 @@ pub fn prefill(model: &Model, prompt: &[u32], capacity: usize) -> Result<Prefill
             colsum: colsum[l].clone(),
             all_colsum: Some(all.clone()),
             rope: Some(cfg.rope),
-            trace_id: None,
+            memo: None,
             backend: Backend::Cpu,
         })
         .collect();
@@ -166,27 +166,10 @@ pub fn decode_compressed(
     feed: Feed,
 ) -> Result<Decoded, ValidateError> {
     let cfg = &model.llama.cfg;
-    let (nl, nh, nkv, d) = (cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim);
-    let group = nh / nkv;
-    let groups = policy.layer_groups(nl, b, pre.prompt_len);
-    let mut caches: Vec<Vec<HeadCache>> = vec![Vec::new(); nl];
-    let mut states = Vec::new();
-    for g in &groups {
-        assert!(
-            g.windows(2).all(|w| w[1] == w[0] + 1),
-            "closed loop: layer groups must be runs of adjacent layers"
-        );
-        let ctxs: Vec<PrefillCtx> = g
-            .iter()
-            .map(|&l| PrefillCtx::new(&pre.layers[l], b))
-            .collect();
-        let (cs, st) = policy.prefill_group(&ctxs).map_err(ValidateError::Replay)?;
-        for (&l, c) in g.iter().zip(cs) {
-            caches[l] = c;
-        }
-        states.push(st);
-    }
-    let per_query: Vec<bool> = caches.iter().map(|c| c.len() == nh && nh != nkv).collect();
+    let (nl, nh, d) = (cfg.n_layers, cfg.n_heads, cfg.head_dim);
+    // The replay loop, over every layer of the live model.
+    let layers: Vec<&LayerData> = pre.layers.iter().collect();
+    let mut session = Session::prefill(policy, &layers, b).map_err(ValidateError::Replay)?;
     let mut kv = pre.cache.clone();
     let mut out = Decoded {
         logits: Vec::new(),
@@ -199,23 +182,18 @@ pub fn decode_compressed(
         let mut probs: Vec<Vec<Vec<f32>>> = vec![vec![Vec::new(); nh]; nl];
         let mut queries: Vec<Vec<f32>> = vec![Vec::new(); nl];
         {
-            let caches = &mut caches;
+            let session = &mut session;
             let probs = &mut probs;
             let queries = &mut queries;
-            let per_query = &per_query;
             let mut attend = |l: usize,
                               q: &[f32],
                               k: &[f32],
                               v: &[f32],
                               o: &mut [f32]|
              -> Result<(), KernelError> {
-                // one new position: q (nh, 1, d), k and v (nkv, 1, d)
-                for (c, cache) in caches[l].iter_mut().enumerate() {
-                    let g = if per_query[l] { c / group } else { c };
-                    cache.push_exact(pos, &k[g * d..(g + 1) * d], &v[g * d..(g + 1) * d]);
-                }
+                session.append(l, pos, |g| (&k[g * d..(g + 1) * d], &v[g * d..(g + 1) * d]));
                 for h in 0..nh {
-                    let cache = &caches[l][if per_query[l] { h } else { h / group }];
+                    let cache = &session.caches(l)[session.cache_of(l, h)];
                     probs[l][h] = attend_head(
                         &q[h * d..(h + 1) * d],
                         cache,
@@ -233,27 +211,11 @@ pub fn decode_compressed(
             };
             last = model.llama.forward(&[tok], pos, &mut kv, fo, &mut |_| {})?;
         }
-        // the policy acts on this step's attention, layer group by layer group
-        for (g, st) in groups.iter().zip(states.iter_mut()) {
-            let qs: Vec<Vec<&[f32]>> = g
-                .iter()
-                .map(|&l| (0..nh).map(|h| &queries[l][h * d..(h + 1) * d]).collect())
-                .collect();
-            let ctxs: Vec<StepCtx> = g
-                .iter()
-                .zip(&qs)
-                .map(|(&l, q)| StepCtx {
-                    layer: l,
-                    pos,
-                    budget: b,
-                    group,
-                    probs: &probs[l],
-                    queries: q,
-                    scale: cfg.attn_scale,
-                })
-                .collect();
-            st.step(&ctxs, &mut caches[g[0]..g[0] + g.len()]);
-        }
+        let qs: Vec<Vec<&[f32]>> = queries
+            .iter()
+            .map(|q| (0..nh).map(|h| &q[h * d..(h + 1) * d]).collect())
+            .collect();
+        session.step(pos, &probs, &qs);
         out.tokens.push(tok);
         out.logits.push(last.clone());
     }

@@ -182,6 +182,8 @@ pub fn validate_trace(
     let needle = needle_digits(&trace, model);
     let total = specs.len() * budgets.len();
     let mut rows = Vec::new();
+    // one replay of the trace for every point: its layers and reference are kept
+    let replay = kvreplay_replay::TraceReplay::new(&trace, &Default::default())?;
     for spec in specs {
         let policy = spec.build()?;
         for &b in budgets {
@@ -214,7 +216,7 @@ pub fn validate_trace(
                 .exp();
             let text = model.tokenizer.decode(&fr.tokens);
             let t1 = std::time::Instant::now();
-            let r = kvreplay_replay::replay(&trace, policy.as_ref(), Budget::Entries(b))?;
+            let r = replay.replay(policy.as_ref(), Budget::Entries(b))?;
             let mut row = Row {
                 trace: name.clone(),
                 policy: spec.short(),

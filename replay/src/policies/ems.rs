@@ -130,6 +130,15 @@ const EPS: f64 = 1e-6;
 /// (s_glo, s_loc) of one query head over the prompt positions.
 type Scores = (Vec<f64>, Vec<f64>);
 
+/// Memo key: every query head's global and local scores for a window of `lw` rows.
+#[derive(Debug, PartialEq)]
+struct GlobalLocal {
+    lw: usize,
+}
+impl crate::memo::MemoKey for GlobalLocal {
+    type Value = Vec<Scores>;
+}
+
 fn norm(x: &[f32]) -> f64 {
     x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt()
 }
@@ -529,7 +538,7 @@ impl Policy for Ems {
         // Scores per query head: column sums and last-window column sums.
         let lw = l_win.min(n);
         // Budget-independent for a given window: computed once per trace and layer.
-        let per_head = ctx.memo(&format!("ems_scores:lw={lw}"), || {
+        let per_head = ctx.memo(GlobalLocal { lw }, || {
             (0..ctx.n_heads())
                 .map(|h| {
                     let glo: Vec<f64> = ctx.colsum(h).iter().map(|x| *x as f64).collect();

@@ -85,11 +85,14 @@ impl Scissorhands {
     fn masks(&self, ctx: &PrefillCtx, u: &Unit) -> Arc<Vec<Vec<u128>>> {
         let p = ctx.prompt_len();
         let w = self.w_h.min(p);
-        let key = format!(
-            "scissorhands_masks:w={w},uniform={},lambda={},masked={},heads={:?}",
-            self.uniform, self.lambda, self.include_masked, u.heads
-        );
-        ctx.memo(&key, || {
+        let key = PivotalMasks {
+            w,
+            uniform: self.uniform,
+            lambda: self.lambda.to_bits(),
+            include_masked: self.include_masked,
+            heads: u.heads.clone(),
+        };
+        ctx.memo(key, || {
             let mut masks = vec![vec![0u128; u.heads.len()]; p];
             for (hh, h) in u.heads.clone().enumerate() {
                 let rows = ctx.attn_rows(h, p - w..p);
@@ -107,6 +110,19 @@ impl Scissorhands {
             masks
         })
     }
+}
+
+/// Memo key of the pivotal bits of the query heads `heads` over the last w prompt rows.
+#[derive(Debug, PartialEq)]
+struct PivotalMasks {
+    w: usize,
+    uniform: bool,
+    lambda: u64,
+    include_masked: bool,
+    heads: std::ops::Range<usize>,
+}
+impl crate::memo::MemoKey for PivotalMasks {
+    type Value = Vec<Vec<u128>>;
 }
 
 /// Group mean of pivotal counts: masks[e][h'] has bit 0 = latest row.

@@ -30,7 +30,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
 };
 
 /// Window scoring (also PyramidKV's and AdaKV's default scorer).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SnapKv {
     pub w: usize,
     pub k: usize,
@@ -74,16 +74,23 @@ impl SnapKv {
     }
 }
 
+/// Memo key of the pooled window votes of the query heads `heads`.
+#[derive(Debug, PartialEq)]
+struct WindowVotes {
+    cfg: SnapKv,
+    heads: std::ops::Range<usize>,
+}
+impl crate::memo::MemoKey for WindowVotes {
+    type Value = Vec<f32>;
+}
+
 impl Scorer for SnapKv {
     /// Pooled window votes of positions 0..P−w: per query head the sums over
     /// the window rows, group mean, then pooling.
     fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
         // Budget-independent: computed once per trace and layer in a sweep.
-        let key = format!(
-            "window_scores:w={},k={},pool={:?},mean={},heads={:?}",
-            self.w, self.k, self.pool, self.mean, u.heads
-        );
-        ctx.memo(&key, || self.compute(ctx, u.heads.clone()))
+        let key = WindowVotes { cfg: *self, heads: u.heads.clone() };
+        ctx.memo(key, || self.compute(ctx, u.heads.clone()))
             .as_ref()
             .clone()
     }

@@ -43,10 +43,17 @@ impl Tova {
     }
 }
 
+/// Memo key: every query head's attention row of the last prompt query.
+#[derive(Debug, PartialEq)]
+struct LastPromptRows;
+impl crate::memo::MemoKey for LastPromptRows {
+    type Value = Vec<Vec<f32>>;
+}
+
 impl Scorer for Tova {
     fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
         let p = ctx.prompt_len();
-        let last = ctx.memo("last_prompt_rows", || {
+        let last = ctx.memo(LastPromptRows, || {
             (0..ctx.n_heads())
                 .map(|h| ctx.attn_rows(h, p - 1..p))
                 .collect::<Vec<Vec<f32>>>()

@@ -57,7 +57,7 @@ pub fn simple_layer(
         colsum,
         all_colsum: None,
         rope: None,
-        trace_id: None,
+        memo: None,
         backend: Default::default(),
     }
 }
@@ -120,7 +120,7 @@ pub fn random_layer(seed: u64, nh: usize, nkv: usize, d: usize, p: usize, t: usi
         colsum,
         all_colsum: None,
         rope: None,
-        trace_id: None,
+        memo: None,
         backend: Default::default(),
     }
 }
