@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use kvreplay_capture::{capture, CaptureOptions, Model};
 use kvreplay_traces::Dtype;
 
+use crate::cli::common::resolve_model;
+
 /// Deterministic English-like filler for synthetic prompts of any length.
 pub fn filler_text(words: usize) -> String {
     const W: &[&str] = &[
@@ -122,7 +124,7 @@ fn bench_trace(
         return Ok(t.clone());
     }
     let out = trace.clone().unwrap_or_else(|| tmp.join("bench.kvtrace"));
-    let model_path = crate::cli::resolve_model(model.clone())?;
+    let model_path = resolve_model(model.clone())?;
     let model = Model::load(&model_path)?;
     let mut o = CaptureOptions::new("(benchmark filler)", out);
     o.prompt_ids = Some(filler_ids(&model, 2048)?);
@@ -298,7 +300,7 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
     if b.no_rerun {
         println!("model rerun: not timed (--no-rerun)");
     } else {
-        match crate::cli::resolve_model(b.model.clone()) {
+        match resolve_model(b.model.clone()) {
             Ok(path) => {
                 let model = Model::load(&path)?;
                 let secs = time_rerun(&model, &m.tokens.ids, m.prompt_len())?;
@@ -363,7 +365,7 @@ pub fn bench_scaling(b: &ScalingBench) -> Result<()> {
         let dir = b.dir.join(format!("filler-{len:05}.kvtrace"));
         if !dir.join("manifest.json").exists() {
             if model.is_none() {
-                model = Some(Model::load(&crate::cli::resolve_model(b.model.clone())?)?);
+                model = Some(Model::load(&resolve_model(b.model.clone())?)?);
             }
             let model = model.as_ref().expect("loaded");
             let mut o = CaptureOptions::new("(benchmark filler)", &dir);

@@ -1,0 +1,216 @@
+//! `kvreplay capture`: its arguments, one trace from a prompt or task, or a
+//! built-in suite of traces.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::{Path, PathBuf};
+
+use kvreplay_capture::{capture, CaptureOptions, Model, Phase, Progress};
+use kvreplay_traces::{Dtype, Span};
+
+use super::common::{open_device, resolve_model};
+
+#[derive(Args)]
+pub(super) struct CaptureArgs {
+    /// GGUF model file [default: $KVREPLAY_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Prompt text (tokenized as is: no special tokens are added).
+    #[arg(long, group = "prompt_src", required = true)]
+    prompt: Option<String>,
+    /// A built-in task: passkey:length=N,depth=D | multifact:length=N,facts=K | file:PATH (spans recorded).
+    #[arg(long, group = "prompt_src")]
+    task: Option<String>,
+    /// Capture a built-in suite of traces into the --out folder (`default`: pass key at 512, 1024, 2048 and 4096 tokens, needle depths 0.1-0.9).
+    #[arg(long, group = "prompt_src")]
+    suite: Option<String>,
+    /// Read the prompt text from a file.
+    #[arg(long, group = "prompt_src")]
+    prompt_file: Option<PathBuf>,
+    /// Wrap the prompt in the model's chat template (one user message, then the assistant turn).
+    #[arg(long)]
+    chat: bool,
+    /// Greedy tokens to generate after the prompt.
+    #[arg(long, default_value_t = 16)]
+    decode: usize,
+    /// Output trace directory (conventionally NAME.kvtrace).
+    #[arg(long)]
+    out: PathBuf,
+    /// Storage dtype of q/k/v/o: f16, bf16 or f32.
+    #[arg(long, default_value = "f16")]
+    dtype: Dtype,
+    /// Also store full attention probabilities (n_heads, T, T) per layer; T <= 1024.
+    #[arg(long)]
+    attn_probs: bool,
+    /// Prompt positions per prefill step (bounds memory on long prompts).
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+    /// Named prompt token span NAME:START:END (end exclusive), recorded in the manifest. Repeatable.
+    #[arg(long = "span", value_parser = parse_span)]
+    spans: Vec<Span>,
+    /// Overwrite an existing trace at --out.
+    #[arg(long)]
+    force: bool,
+    /// Where to compute: cpu, cuda or auto (CUDA when a usable GPU is present).
+    #[arg(long, default_value = "auto")]
+    device: kvreplay_kernels::DeviceRequest,
+}
+
+fn parse_span(s: &str) -> Result<Span, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let bad = || format!("`{s}` is not NAME:START:END (e.g. needle:120:140)");
+    if parts.len() != 3 || parts[0].is_empty() {
+        return Err(bad());
+    }
+    let start = parts[1].parse().map_err(|_| bad())?;
+    let end = parts[2].parse().map_err(|_| bad())?;
+    Ok(Span {
+        name: parts[0].into(),
+        start,
+        end,
+    })
+}
+
+pub(super) fn cmd_capture(a: CaptureArgs) -> Result<()> {
+    let model_path = resolve_model(a.model.clone())?;
+    if let Some(suite) = &a.suite {
+        return capture_suite(&a, suite, &model_path);
+    }
+    let (prompt, source) = match (a.prompt.clone(), a.prompt_file.clone()) {
+        (Some(p), _) => (p, "text".to_string()),
+        (None, None) if a.task.is_some() => (String::new(), String::new()),
+        (None, Some(f)) => {
+            let text = std::fs::read_to_string(&f)
+                .with_context(|| format!("reading prompt file {}", f.display()))?;
+            let name = f
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            (text, format!("file:{name}"))
+        }
+        (None, None) => unreachable!("clap requires one prompt source"),
+    };
+    if a.out.exists() && !a.force {
+        bail!(
+            "{}: already exists; pass --force to overwrite it or choose another --out",
+            a.out.display()
+        );
+    }
+    let spinner =
+        ProgressBar::new_spinner().with_message(format!("loading {}", model_path.display()));
+    let mut model = Model::load(&model_path)
+        .with_context(|| format!("loading model {}", model_path.display()))?;
+    spinner.finish_and_clear();
+    model.llama.set_backend(open_device(a.device)?);
+    let mut opts = CaptureOptions::new(prompt, &a.out);
+    opts.prompt_source = source;
+    if let Some(task) = &a.task {
+        let (ids, spans, source) = kvreplay_capture::tasks::prepare(task, &model, a.chat)?;
+        opts.prompt = source.clone();
+        opts.prompt_ids = Some(ids);
+        opts.spans = spans;
+        opts.prompt_source = source;
+    }
+    opts.chat = a.chat;
+    opts.n_decode = a.decode;
+    opts.dtype = a.dtype;
+    opts.prefill_chunk = a.prefill_chunk;
+    opts.attn_probs = a.attn_probs;
+    opts.force = a.force;
+    opts.spans.extend(a.spans.iter().cloned());
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg:>8} [{bar:40}] {pos}/{len} tokens ({per_sec}, eta {eta})",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    let mut on_progress = |p: Progress| {
+        let msg = match p.phase {
+            Phase::Prefill => "prefill",
+            Phase::Decode => "decode",
+            Phase::Finish => "writing",
+        };
+        if bar.message() != msg {
+            bar.reset();
+            bar.set_message(msg);
+            bar.set_length(p.total as u64);
+        }
+        bar.set_position(p.done as u64);
+    };
+    let s = capture(&model, &opts, &mut on_progress)
+        .with_context(|| format!("capturing into {}", a.out.display()))?;
+    bar.finish_and_clear();
+    println!(
+        "wrote {}: {} prompt + {} generated tokens, {} layers",
+        s.out.display(),
+        s.prompt_len,
+        s.n_decode,
+        model.llama.cfg.n_layers
+    );
+    println!(
+        "prefill {:.1} tok/s ({:.2} s), decode {:.1} tok/s ({:.2} s)",
+        s.prompt_len as f64 / s.prefill_secs,
+        s.prefill_secs,
+        s.n_decode as f64 / s.decode_secs.max(1e-9),
+        s.decode_secs
+    );
+    println!("continuation: {:?}", s.continuation);
+    Ok(())
+}
+
+fn capture_suite(a: &CaptureArgs, suite: &str, model_path: &Path) -> Result<()> {
+    if suite != "default" {
+        bail!("unknown suite `{suite}` (known: default)");
+    }
+    let mut model = Model::load(model_path)
+        .with_context(|| format!("loading model {}", model_path.display()))?;
+    let items = kvreplay_capture::tasks::default_suite();
+    if a.force
+        || items
+            .iter()
+            .any(|(name, _)| !a.out.join(name).join("manifest.json").exists())
+    {
+        model.llama.set_backend(open_device(a.device)?);
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let bar = ProgressBar::new(items.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} traces ({elapsed}, eta {eta}) {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let mut made = 0;
+    for (name, task) in &items {
+        let out = a.out.join(name);
+        bar.set_message(name.clone());
+        // a finished trace is kept (rerunning resumes the suite); --force recaptures
+        if out.join("manifest.json").exists() && !a.force {
+            bar.inc(1);
+            continue;
+        }
+        let (ids, spans, source) = kvreplay_capture::tasks::prepare(task, &model, true)?;
+        let mut opts = CaptureOptions::new(source.clone(), &out);
+        opts.prompt_ids = Some(ids);
+        opts.spans = spans;
+        opts.prompt_source = source;
+        opts.chat = true;
+        opts.n_decode = a.decode;
+        opts.dtype = a.dtype;
+        opts.prefill_chunk = a.prefill_chunk;
+        opts.force = a.force;
+        capture(&model, &opts, &mut |_| {})
+            .with_context(|| format!("capturing {}", out.display()))?;
+        made += 1;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    println!(
+        "suite `{suite}`: {} traces in {} ({made} captured now)",
+        items.len(),
+        a.out.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,61 @@
+//! Helpers shared by several commands (and by `crate::bench`): the model
+//! path, the compute backend, and the expansion of trace-folder arguments.
+//! A leaf module: it imports nothing else from this crate.
+
+use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
+
+/// Where `scripts/fetch-model.sh` caches the default model.
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The model path: --model, else $KVREPLAY_MODEL, else the cached default.
+pub fn resolve_model(arg: Option<PathBuf>) -> Result<PathBuf> {
+    let path = arg
+        .or_else(|| std::env::var_os("KVREPLAY_MODEL").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
+    if !path.exists() {
+        bail!(
+            "model file {} not found; pass --model FILE.gguf, or run scripts/fetch-model.sh to fetch the default model",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Open the backend `--device` asks for; say so when `auto` falls back to the
+/// CPU, and name the GPU when one is used.
+pub fn open_device(req: kvreplay_kernels::DeviceRequest) -> Result<kvreplay_kernels::Backend> {
+    let o = kvreplay_kernels::Backend::open(req).context("--device cuda")?;
+    if let Some(note) = &o.note {
+        eprintln!("{note}");
+    }
+    if o.backend.device() != kvreplay_kernels::Device::Cpu {
+        eprintln!("device: {}", o.backend.describe());
+    }
+    Ok(o.backend)
+}
+
+/// Expand sweep trace arguments: a trace folder, or a folder of trace folders.
+pub fn expand_traces(args: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for a in args {
+        if a.join("manifest.json").exists() {
+            out.push(a.clone());
+            continue;
+        }
+        let mut found: Vec<PathBuf> = std::fs::read_dir(a)
+            .with_context(|| format!("reading {}", a.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.join("manifest.json").exists())
+            .collect();
+        if found.is_empty() {
+            bail!(
+                "{}: neither a trace nor a folder of traces (no manifest.json found)",
+                a.display()
+            );
+        }
+        found.sort();
+        out.extend(found);
+    }
+    Ok(out)
+}

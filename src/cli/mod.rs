@@ -1,0 +1,169 @@
+//! `kvreplay`'s command line: the clap `Cli` and `Cmd` definitions and the
+//! dispatch. Each subcommand's arguments and run function live in the file of
+//! the same name (`merge`, one library call, runs here in the dispatch; the
+//! benchmarks run in `crate::bench`); helpers several of them share are in
+//! `common`.
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+mod bench;
+mod capture;
+mod claims;
+pub(crate) mod common;
+mod inspect;
+mod policies;
+mod replay;
+mod sweep;
+mod validate;
+mod verify;
+
+use bench::BenchCmd;
+use capture::{cmd_capture, CaptureArgs};
+use claims::cmd_claims;
+use common::resolve_model;
+use inspect::cmd_inspect;
+use policies::cmd_policies;
+use replay::{cmd_replay, ReplayArgs};
+use sweep::{cmd_sweep, SweepArgs};
+use validate::{cmd_validate, ValidateArgs};
+use verify::cmd_verify;
+
+#[derive(Parser)]
+#[command(
+    name = "kvreplay",
+    version,
+    about = "Record an LLM's attention inputs once; replay KV-cache compression policies on them in seconds."
+)]
+struct Cli {
+    /// Worker threads (default: all cores). Results do not depend on it.
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a GGUF model once on a prompt and write a trace (q/k/v/o per layer and head).
+    Capture(CaptureArgs),
+    /// Print a trace's manifest and per-layer shapes and norms.
+    Inspect { trace: PathBuf },
+    /// Check a trace's sizes and checksums and recompute `o` from q/k/v at sample positions.
+    Verify {
+        trace: PathBuf,
+        /// Positions recomputed per layer.
+        #[arg(long, default_value_t = 8)]
+        positions: usize,
+    },
+    /// List every compression policy with its parameters, defaults and source paper.
+    Policies,
+    /// Apply a compression policy to a trace and measure output error, retention and memory.
+    Replay(ReplayArgs),
+    /// Replay every (trace, policy, budget) point into results.csv and summary.csv (resumable, shardable).
+    Sweep(SweepArgs),
+    /// Join the folders of a sharded sweep into what one unsharded run writes.
+    Merge {
+        /// Shard output folders.
+        #[arg(required = true)]
+        shards: Vec<PathBuf>,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Measure the seed papers' trace-checkable claims on a trace, next to what each paper states.
+    Claims {
+        #[arg(long)]
+        trace: PathBuf,
+        /// Also write the claims as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Closed loop: rerun the model with each policy inside the forward pass and check how well replay predicts it.
+    Validate(ValidateArgs),
+    /// Benchmarks on the real model (see BENCHMARKS.md).
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+pub fn run() -> Result<()> {
+    let cli = Cli::parse();
+    if let Some(n) = cli.threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("setting up the thread pool")?;
+    }
+    match cli.cmd {
+        Cmd::Capture(a) => cmd_capture(a),
+        Cmd::Inspect { trace } => cmd_inspect(&trace),
+        Cmd::Verify { trace, positions } => cmd_verify(&trace, positions),
+        Cmd::Policies => cmd_policies(),
+        Cmd::Claims { trace, json } => cmd_claims(&trace, json.as_deref()),
+        Cmd::Sweep(a) => cmd_sweep(a),
+        Cmd::Validate(a) => cmd_validate(a),
+        Cmd::Merge { shards, out } => {
+            let complete = kvreplay_analysis::sweep::merge(&shards, &out)
+                .with_context(|| format!("merging into {}", out.display()))?;
+            println!(
+                "merged {} shard folders into {}{}",
+                shards.len(),
+                out.display(),
+                if complete {
+                    ""
+                } else {
+                    " (some points are still missing)"
+                }
+            );
+            Ok(())
+        }
+        Cmd::Bench(BenchCmd::Replay {
+            trace,
+            model,
+            reps,
+            python,
+            no_rerun,
+        }) => crate::bench::bench_replay(&crate::bench::ReplayBench {
+            trace,
+            model,
+            reps: reps.max(1),
+            python: python.or_else(|| {
+                let p = PathBuf::from(".venv-ref/bin/python");
+                p.exists().then_some(p)
+            }),
+            no_rerun,
+        }),
+        Cmd::Bench(BenchCmd::Scaling {
+            model,
+            dir,
+            lengths,
+            policy,
+            budget,
+            reps,
+        }) => crate::bench::bench_scaling(&crate::bench::ScalingBench {
+            model,
+            dir,
+            lengths,
+            policy,
+            budget,
+            reps: reps.max(1),
+        }),
+        Cmd::Replay(a) => cmd_replay(a),
+        Cmd::Bench(BenchCmd::Capture {
+            model,
+            prompt_tokens,
+            decode,
+            reps,
+            dtype,
+        }) => crate::bench::bench_capture(&crate::bench::CaptureBench {
+            model: resolve_model(model)?,
+            prompt_tokens,
+            decode,
+            reps: reps.max(1),
+            dtype,
+        }),
+    }
+}
