@@ -7,10 +7,13 @@
 //!
 //! Invariant: replay never loads a model; everything comes from the trace.
 
+pub mod allocation;
 pub mod cache;
 pub mod engine;
 mod error;
+pub mod info;
 pub mod memo;
+pub mod params;
 pub mod output;
 pub mod policies;
 pub mod policy;

@@ -253,6 +253,14 @@ impl StepCtx<'_> {
             c * self.group..(c + 1) * self.group
         }
     }
+    /// Mean of the step's attention over query heads `heads` (the heads that
+    /// read one cache), added to that cache's accumulated scores; the step's
+    /// new entry starts at 0 (H2O's and CaM's accumulated attention).
+    pub fn accumulate(&self, scores: &mut Vec<f32>, heads: Range<usize>) {
+        scores.push(0.0);
+        let mean = mean_rows(self.probs[heads].iter().map(|v| v.as_slice()));
+        scores.iter_mut().zip(mean).for_each(|(x, a)| *x += a);
+    }
     /// Group mean of the step's attention for KV head `g`.
     pub fn group_mean(&self, g: usize) -> Vec<f32> {
         let heads = &self.probs[g * self.group..(g + 1) * self.group];

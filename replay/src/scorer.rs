@@ -165,7 +165,7 @@ impl TopK {
             _ if avg == 0 => vec![0; n],
             Allocation::Uniform => vec![avg; n],
             Allocation::Pyramid { beta } => {
-                let c = crate::policies::pyramidkv::layer_count(
+                let c = crate::allocation::layer_count(
                     p,
                     b,
                     prot.total(),
@@ -179,7 +179,7 @@ impl TopK {
             Allocation::Ada { alpha, normalize } => {
                 let cand = prot.sinks..p - prot.recent;
                 let s: Vec<&[f32]> = scores.iter().map(|s| &s[cand.clone()]).collect();
-                crate::policies::adakv::head_budgets(&s, avg, alpha, normalize)
+                crate::allocation::head_budgets(&s, avg, alpha, normalize)
             }
         }
     }

@@ -31,9 +31,40 @@ pub fn softmax_f64_norm(x: &mut [f32]) {
     x.iter_mut().zip(&w).for_each(|(v, we)| *v = (we / sum) as f32);
 }
 
+/// Asymmetric min-max quantisation of `x` as one group to `bits` bits, and
+/// back (KIVI's rule: scale (max − min)/(2^b − 1) and the minimum, both
+/// rounded to f16; round, clamp). The caller accounts the storage cost.
+pub fn fake_quant(x: &mut [f32], bits: u32) {
+    let levels = ((1u32 << bits) - 1) as f32;
+    let mn = x.iter().fold(f32::INFINITY, |m, v| m.min(*v));
+    let mx = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+    let scale = half::f16::from_f32((mx - mn) / levels).to_f32();
+    let zero = half::f16::from_f32(mn).to_f32();
+    for v in x.iter_mut() {
+        *v = if scale > 0.0 {
+            ((*v - zero) / scale).round().clamp(0.0, levels) * scale + zero
+        } else {
+            zero
+        };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fake_quant_known_values() {
+        // 2 bits over [0, 3]: scale 1, levels 0..3 -> exact integers survive
+        let mut x = vec![0.0, 1.0, 2.0, 3.0, 1.4, 2.6];
+        fake_quant(&mut x, 2);
+        assert_eq!(x, vec![0.0, 1.0, 2.0, 3.0, 1.0, 3.0]);
+        // constant group: scale 0 -> every value is the min
+        let mut c = vec![0.5; 4];
+        fake_quant(&mut c, 4);
+        assert_eq!(c, vec![0.5; 4]);
+    }
+
 
     #[test]
     fn known_values() {

@@ -11,10 +11,9 @@
 
 use std::sync::Arc;
 
-use super::{Build, Caps, Family, PolicyInfo};
+use crate::info::{Build, Caps, Family, PolicyInfo};
 use crate::scorer::{Allocation, TopK};
-use crate::select::cmp_f32;
-use crate::spec::{Kind, ParamInfo};
+use crate::params::{Kind, ParamInfo};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
@@ -41,62 +40,3 @@ pub static INFO: PolicyInfo = PolicyInfo {
         },
     },
 };
-
-/// Per-head selection counts B_h from per-head scores (each over the same
-/// candidates 0..n), `per_head` = P selected entries per head on average.
-pub fn head_budgets(
-    scores: &[&[f32]],
-    per_head: usize,
-    alpha: f64,
-    normalize: bool,
-) -> Vec<usize> {
-    let hk = scores.len();
-    let mut pairs: Vec<(f32, usize, usize)> = Vec::new(); // (score, position, head)
-    for (h, s) in scores.iter().enumerate() {
-        let f = if normalize {
-            let mut sorted = s.to_vec();
-            sorted.sort_by(|a, b| cmp_f32(*b, *a));
-            let top: f32 = sorted.iter().take(per_head).sum();
-            let all: f32 = sorted.iter().sum();
-            if all > 0.0 {
-                top / all
-            } else {
-                1.0
-            }
-        } else {
-            1.0
-        };
-        pairs.extend(s.iter().enumerate().map(|(i, x)| (x * f, i, h)));
-    }
-    // (score desc, position desc, head asc)
-    pairs.sort_by(|a, b| {
-        cmp_f32(b.0, a.0)
-            .then(b.1.cmp(&a.1))
-            .then(a.2.cmp(&b.2))
-    });
-    let mut n_h = vec![0usize; hk];
-    for &(_, _, h) in pairs.iter().take(hk * per_head) {
-        n_h[h] += 1;
-    }
-    let floor = (alpha * per_head as f64).floor();
-    n_h.iter()
-        .map(|&n| ((1.0 - alpha) * n as f64 + floor).round() as usize)
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn budgets_follow_where_the_top_scores_fall() {
-        // Two heads, P = 2 per head: the layer's top 4 scores are 9, 8, 7 (head 0)
-        // and 6 (head 1) -> n = (3, 1). alpha = 0.5: B_h = round(0.5 n + ⌊0.5·2⌋) = (2.5 -> 3, 1.5 -> 2)
-        let s: Vec<&[f32]> = vec![&[9.0, 8.0, 7.0, 0.0], &[6.0, 1.0, 0.5, 0.0]];
-        assert_eq!(head_budgets(&s, 2, 0.5, false), vec![3, 2]);
-        // alpha = 0: the pure top-k split
-        assert_eq!(head_budgets(&s, 2, 0.0, false), vec![3, 1]);
-        // alpha = 1: uniform
-        assert_eq!(head_budgets(&s, 2, 1.0, false), vec![2, 2]);
-    }
-}

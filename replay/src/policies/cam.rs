@@ -16,11 +16,11 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::{Build, Caps, Family, PolicyInfo};
+use crate::info::{Build, Caps, Family, PolicyInfo};
 use crate::cache::HeadCache;
 use crate::policy::{mean_rows, PrefillCtx, SplitMix64, StepCtx};
 use crate::scorer::{EvictMerge, EvictMergeState, TopK, Unit};
-use crate::spec::{Kind, ParamInfo};
+use crate::params::{Kind, ParamInfo};
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "cam",
@@ -124,7 +124,7 @@ struct Merges {
 
 impl EvictMergeState for Merges {
     fn observe(&mut self, ctx: &StepCtx, heads: Range<usize>) {
-        super::h2o::accumulate(&mut self.acc, ctx, heads);
+        ctx.accumulate(&mut self.acc, heads);
     }
     fn before_evict(&mut self, c: &mut HeadCache, e: usize) {
         let window: Vec<usize> = (e + 1..(e + 1 + self.cfg.m).min(c.len())).collect();

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::HeadCache;
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;

@@ -9,12 +9,12 @@
 
 use std::sync::Arc;
 
-use super::{Build, Caps, PolicyInfo};
+use crate::info::{Build, Caps, PolicyInfo};
 use crate::cache::HeadCache;
 use crate::policy::{mean_rows, PrefillCtx, StepCtx};
 use crate::scorer::{Scorer, Selected, StepScorer, Unit};
 use crate::select::Protect;
-use crate::spec::{Kind, ParamInfo};
+use crate::params::{Kind, ParamInfo};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
@@ -40,14 +40,6 @@ pub struct H2o {
     /// None = ⌊B/2⌋.
     pub recent: Option<usize>,
     pub decode_evict: bool,
-}
-
-/// Mean of the step's attention over the query heads that read a cache,
-/// added to its accumulated scores (the step's new entry starts at 0).
-pub fn accumulate(scores: &mut Vec<f32>, ctx: &StepCtx, heads: std::ops::Range<usize>) {
-    scores.push(0.0);
-    let mean = mean_rows(ctx.probs[heads].iter().map(|v| v.as_slice()));
-    scores.iter_mut().zip(mean).for_each(|(x, a)| *x += a);
 }
 
 impl Scorer for H2o {
@@ -77,7 +69,7 @@ pub struct Accumulated {
 
 impl StepScorer for Accumulated {
     fn scores(&mut self, ctx: &StepCtx, c: usize, _: &HeadCache) -> Vec<f32> {
-        accumulate(&mut self.acc[c], ctx, self.heads[c].clone());
+        ctx.accumulate(&mut self.acc[c], self.heads[c].clone());
         self.acc[c].clone()
     }
     fn evicted(&mut self, c: usize, e: usize) {

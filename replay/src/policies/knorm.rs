@@ -1,8 +1,8 @@
 //! KNorm (docs/methods/knorm.md): s_i = −‖k_i‖₂ per KV head, no attention,
 //! window or sinks; `skip_layers` stay uncompressed; `decode_evict` evicts the largest-norm key.
 
-use super::{Build, Caps, Phase, PolicyInfo};
-use crate::{scorer::{Scorer, Selected, StepScorer, Unit}, spec::{Kind, ParamInfo}, HeadCache, PrefillCtx, StepCtx};
+use crate::info::{Build, Caps, Phase, PolicyInfo};
+use crate::{scorer::{Scorer, Selected, StepScorer, Unit}, params::{Kind, ParamInfo}, HeadCache, PrefillCtx, StepCtx};
 use kvreplay_kernels::cpu::l2_norm;
 
 pub static INFO: PolicyInfo = PolicyInfo {

@@ -406,7 +406,7 @@ impl MiniCache {
                 if self.b_dir < 16 {
                     // quantise the stored direction, then re-normalise it (landscape.md A5.10)
                     for chunk in m.e.chunks_mut(DIR_GROUP) {
-                        super::quant::fake_quant(chunk, self.b_dir);
+                        kvreplay_kernels::cpu::fake_quant(chunk, self.b_dir);
                     }
                     let n = norm(&m.e);
                     if n > 0.0 {

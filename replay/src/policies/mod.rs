@@ -6,12 +6,7 @@
 //! parser, the sweep, the golden test and the checks of README/SEMANTICS read
 //! the registry; a test fails when the known-answer test it names is missing.
 
-use std::sync::Arc;
-
-use crate::policy::Policy;
-use crate::scorer::Scorer;
-use crate::spec::{ParamInfo, Params};
-use crate::ReplayError;
+pub use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 
 pub mod adakv;
 pub mod ahakv;
@@ -30,132 +25,6 @@ pub mod scissorhands;
 pub mod snapkv;
 pub mod streaming_llm;
 pub mod tova;
-
-/// How a registered name becomes a policy.
-#[derive(Clone, Copy)]
-pub enum Build {
-    /// A policy in its own right.
-    Policy(fn(&Params) -> Result<Arc<dyn Policy>, ReplayError>),
-    /// A scorer: a policy through the shared selection, and usable inside
-    /// every scorer wrapper (`adakv:scorer=NAME`).
-    Scorer(fn(&Params) -> Result<Arc<dyn Scorer>, ReplayError>),
-    /// Wraps any registered scorer, chosen by its `scorer` parameter; the
-    /// scorer's parameters are accepted beside the wrapper's own (written
-    /// `SCORER.NAME` where the wrapper has a parameter of the same name), with
-    /// the defaults listed here overriding the scorer's.
-    ScorerWrapper {
-        default_scorer: &'static str,
-        scorer_defaults: &'static [(&'static str, &'static str)],
-        build: fn(&Params, Arc<dyn Scorer>) -> Result<Arc<dyn Policy>, ReplayError>,
-    },
-    /// Composes onto any policy with `+` (alone: onto `full`).
-    Wrapper(fn(&Params, Arc<dyn Policy>) -> Result<Arc<dyn Policy>, ReplayError>),
-}
-
-/// Method family, for listings and the report.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Family {
-    Reference,
-    Eviction,
-    Merging,
-    Quantisation,
-    CrossLayer,
-    Allocation,
-}
-
-impl Family {
-    pub fn name(self) -> &'static str {
-        match self {
-            Family::Reference => "reference",
-            Family::Eviction => "eviction",
-            Family::Merging => "merging",
-            Family::Quantisation => "quantisation",
-            Family::CrossLayer => "cross-layer",
-            Family::Allocation => "budget allocation",
-        }
-    }
-}
-
-/// When a policy acts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Phase {
-    /// At the end of prefill only; decode entries are appended.
-    Prefill,
-    /// Also at every decode step (holds its capacity).
-    Decode,
-    /// Decode-time by default, prefill-only with `decode_evict=false`.
-    DecodeByDefault,
-    /// Prefill-only by default, decode-time with `decode_evict=true`.
-    PrefillByDefault,
-}
-
-/// What a policy does, as `kvreplay policies`, the tests and SEMANTICS.md
-/// need to know it.
-#[derive(Clone, Copy, Debug)]
-pub struct Caps {
-    pub family: Family,
-    pub phase: Phase,
-    /// Writes entries that stand for several positions.
-    pub merges: bool,
-    /// Stores entries below f16 precision.
-    pub quantises: bool,
-    /// Replays groups of layers together (shared storage).
-    pub cross_layer: bool,
-    /// Keeps one cache per query head by default (G× the entries of a per-KV-head cache).
-    pub per_query_head: bool,
-    /// The cache equals the uncompressed one when the budget covers the
-    /// trace (false: entries are re-expressed whatever the budget).
-    pub exact_when_covering: bool,
-}
-
-impl Caps {
-    /// A prefill-only eviction policy that keeps exact entries.
-    pub const EVICT_PREFILL: Caps = Caps {
-        family: Family::Eviction,
-        phase: Phase::Prefill,
-        merges: false,
-        quantises: false,
-        cross_layer: false,
-        per_query_head: false,
-        exact_when_covering: true,
-    };
-    /// A decode-time eviction policy (`decode_evict=false`: prefill only).
-    pub const EVICT_DECODE: Caps = Caps {
-        phase: Phase::DecodeByDefault,
-        ..Caps::EVICT_PREFILL
-    };
-
-    /// Whether the policy acts during decode under its defaults.
-    pub fn decodes_by_default(&self) -> bool {
-        matches!(self.phase, Phase::Decode | Phase::DecodeByDefault)
-    }
-}
-
-/// A registered policy: what `kvreplay policies` lists and specs resolve to.
-pub struct PolicyInfo {
-    /// Registry key, file name and CSV value.
-    pub name: &'static str,
-    pub summary: &'static str,
-    /// Source paper (title, venue/arXiv) and reference code.
-    pub paper: &'static str,
-    pub params: &'static [ParamInfo],
-    pub caps: Caps,
-    /// The known-answer test (a `#[test] fn` under `replay/tests/`) that
-    /// checks the policy's rule on hand-built layers.
-    pub test: &'static str,
-    pub build: Build,
-}
-
-impl PolicyInfo {
-    /// Composes onto another policy with `+` (e.g. `snapkv+quant`).
-    pub fn is_wrapper(&self) -> bool {
-        matches!(self.build, Build::Wrapper(_))
-    }
-    /// Usable as `scorer=NAME` inside the scorer wrappers.
-    pub fn is_scorer(&self) -> bool {
-        matches!(self.build, Build::Scorer(_))
-    }
-}
 
 /// Every policy, in the order `kvreplay policies` lists them.
 pub static REGISTRY: &[&PolicyInfo] = &[

@@ -11,9 +11,9 @@
 
 use std::sync::Arc;
 
-use super::{Build, Caps, Family, PolicyInfo};
+use crate::info::{Build, Caps, Family, PolicyInfo};
 use crate::scorer::{Allocation, TopK};
-use crate::spec::{Kind, ParamInfo};
+use crate::params::{Kind, ParamInfo};
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "pyramidkv",
@@ -34,53 +34,3 @@ pub static INFO: PolicyInfo = PolicyInfo {
         },
     },
 };
-
-/// Selected entries (window excluded) of `layer` of `n_layers`, in the
-/// reference's integer arithmetic; None = no compression.
-pub fn layer_count(
-    p_len: usize,
-    b: usize,
-    w: usize,
-    beta: usize,
-    layer: usize,
-    n_layers: usize,
-) -> Option<usize> {
-    if p_len < b {
-        return None;
-    }
-    let avg = b - w;
-    if p_len < 2 * avg || n_layers < 2 {
-        return Some(avg);
-    }
-    let mut min = avg / beta;
-    let mut max = 2 * avg - min;
-    if max >= p_len - w {
-        max = p_len - w;
-        min = 2 * avg - max;
-    }
-    let step = (max - min) / (n_layers - 1);
-    Some(max - layer * step)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn schedule_matches_hand_computation() {
-        // B = 72, w = 8 -> P = 64; T_p = 1000, L = 5, beta = 20:
-        // min = 3, max = 125, step = (125 - 3) / 4 = 30 -> 125, 95, 65, 35, 5
-        let counts: Vec<usize> = (0..5)
-            .map(|l| layer_count(1000, 72, 8, 20, l, 5).unwrap())
-            .collect();
-        assert_eq!(counts, vec![125, 95, 65, 35, 5]);
-        // T_p < 2P: uniform
-        assert_eq!(layer_count(100, 72, 8, 20, 3, 5), Some(64));
-        // max capped at T_p - w: T_p = 130 -> max = 122, min = 6, step = 29
-        let counts: Vec<usize> = (0..5)
-            .map(|l| layer_count(130, 72, 8, 20, l, 5).unwrap())
-            .collect();
-        assert_eq!(counts, vec![122, 93, 64, 35, 6]);
-        assert_eq!(layer_count(50, 72, 8, 20, 0, 5), None);
-    }
-}

@@ -13,11 +13,12 @@
 
 use std::sync::Arc;
 
-use super::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
 use crate::policy::{DecodeState, GroupDecodeState, Policy, PrefillCtx, StepCtx};
-use crate::spec::{Kind, ParamInfo};
+use crate::params::{Kind, ParamInfo};
 use crate::ReplayError;
+use kvreplay_kernels::cpu::fake_quant;
 use std::collections::HashMap;
 
 pub static INFO: PolicyInfo = PolicyInfo {
@@ -44,23 +45,6 @@ pub static INFO: PolicyInfo = PolicyInfo {
 pub struct Quant {
     pub base: Arc<dyn Policy>,
     pub cfg: QuantCfg,
-}
-
-/// Quantise-dequantise `x` in place as one group; returns nothing (cost is
-/// accounted by the caller).
-pub fn fake_quant(x: &mut [f32], bits: u32) {
-    let levels = ((1u32 << bits) - 1) as f32;
-    let mn = x.iter().fold(f32::INFINITY, |m, v| m.min(*v));
-    let mx = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
-    let scale = half::f16::from_f32((mx - mn) / levels).to_f32();
-    let zero = half::f16::from_f32(mn).to_f32();
-    for v in x.iter_mut() {
-        *v = if scale > 0.0 {
-            ((*v - zero) / scale).round().clamp(0.0, levels) * scale + zero
-        } else {
-            zero
-        };
-    }
 }
 
 #[derive(Clone, Copy, Default)]
@@ -239,22 +223,5 @@ impl GroupDecodeState for QGroupState {
         for ((c, b), f) in caches.iter_mut().zip(&before).zip(self.flags.iter_mut()) {
             self.cfg.resettle(c, b, f);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fake_quant_known_values() {
-        // 2 bits over [0, 3]: scale 1, levels 0..3 -> exact integers survive
-        let mut x = vec![0.0, 1.0, 2.0, 3.0, 1.4, 2.6];
-        fake_quant(&mut x, 2);
-        assert_eq!(x, vec![0.0, 1.0, 2.0, 3.0, 1.0, 3.0]);
-        // constant group: scale 0 -> every value is the min
-        let mut c = vec![0.5; 4];
-        fake_quant(&mut c, 4);
-        assert_eq!(c, vec![0.5; 4]);
     }
 }

@@ -5,10 +5,10 @@
 
 use std::sync::Arc;
 
-use super::{Build, Caps, PolicyInfo};
+use crate::info::{Build, Caps, PolicyInfo};
 use crate::policy::{PrefillCtx, SplitMix64};
 use crate::scorer::{Scorer, Unit};
-use crate::spec::{Kind, ParamInfo};
+use crate::params::{Kind, ParamInfo};
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "random",

@@ -8,11 +8,11 @@
 
 use std::sync::Arc;
 
-use super::{Build, Caps, PolicyInfo};
+use crate::info::{Build, Caps, PolicyInfo};
 use crate::policy::{mean_rows, pool1d, Pool, PrefillCtx};
 use crate::scorer::{Scorer, Unit};
 use crate::select::Protect;
-use crate::spec::{Kind, ParamInfo, Params};
+use crate::params::{Kind, ParamInfo, Params};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {

@@ -6,12 +6,12 @@
 
 use std::sync::Arc;
 
-use super::{Build, Caps, PolicyInfo};
+use crate::info::{Build, Caps, PolicyInfo};
 use crate::cache::HeadCache;
 use crate::policy::{PrefillCtx, StepCtx};
 use crate::scorer::{Scorer, Selected, StepScorer, Unit};
 use crate::select::Protect;
-use crate::spec::{Kind, ParamInfo};
+use crate::params::{Kind, ParamInfo};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {

@@ -8,11 +8,11 @@
 
 use std::sync::Arc;
 
-use super::{Build, Caps, PolicyInfo};
+use crate::info::{Build, Caps, PolicyInfo};
 use crate::cache::HeadCache;
 use crate::policy::{mean_rows, PrefillCtx, StepCtx};
 use crate::scorer::{Scorer, Selected, StepScorer, Unit};
-use crate::spec::{Kind, ParamInfo};
+use crate::params::{Kind, ParamInfo};
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "tova",

@@ -1,0 +1,96 @@
+//! Policy parameters: what a policy accepts (`ParamInfo`) and the validated
+//! values of one spec element (`Params`). A leaf module: policies read their
+//! parameters here without depending on the spec parser or the registry.
+
+use std::collections::BTreeMap;
+
+use crate::ReplayError;
+
+/// Kind of a parameter's value, for validation and help.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Int,
+    Float,
+    Bool,
+    /// One of the listed words.
+    Choice(&'static [&'static str]),
+    /// Comma-free list of integers separated by `;` (e.g. `0;1`), or empty.
+    IntList,
+    /// A non-negative integer or the given word (e.g. `half`).
+    IntOr(&'static str),
+    /// A number or the given word (e.g. `budget`).
+    FloatOr(&'static str),
+    /// The name of a registered scorer (`kvreplay policies` marks them).
+    Scorer,
+}
+
+/// A parameter a policy accepts.
+#[derive(Clone, Copy, Debug)]
+pub struct ParamInfo {
+    pub name: &'static str,
+    pub default: &'static str,
+    pub kind: Kind,
+    pub help: &'static str,
+}
+
+/// Validated parameters of one policy, every default filled in.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Params {
+    pub policy: &'static str,
+    pub values: BTreeMap<String, String>,
+}
+
+impl Params {
+    pub(crate) fn bad(&self, key: &str, msg: String) -> ReplayError {
+        ReplayError::BadParam {
+            policy: self.policy.into(),
+            key: key.into(),
+            value: self.values.get(key).cloned().unwrap_or_default(),
+            msg,
+        }
+    }
+    pub(crate) fn raw(&self, key: &str) -> &str {
+        self.values
+            .get(key)
+            .unwrap_or_else(|| panic!("policy {} reads undeclared parameter {key}", self.policy))
+    }
+    pub fn int(&self, key: &str) -> Result<usize, ReplayError> {
+        self.raw(key)
+            .parse()
+            .map_err(|_| self.bad(key, "expected a non-negative integer".into()))
+    }
+    pub fn float(&self, key: &str) -> Result<f64, ReplayError> {
+        self.raw(key)
+            .parse()
+            .map_err(|_| self.bad(key, "expected a number".into()))
+    }
+    pub fn bool(&self, key: &str) -> Result<bool, ReplayError> {
+        match self.raw(key) {
+            "true" | "1" | "yes" => Ok(true),
+            "false" | "0" | "no" => Ok(false),
+            _ => Err(self.bad(key, "expected true or false".into())),
+        }
+    }
+    pub fn word(&self, key: &str) -> &str {
+        self.raw(key)
+    }
+    /// A `Choice` parameter as its typed value.
+    pub fn choice<T: std::str::FromStr>(&self, key: &str) -> Result<T, ReplayError> {
+        self.raw(key)
+            .parse()
+            .map_err(|_| self.bad(key, "not a valid choice".into()))
+    }
+    /// `key=value` pairs, every default included, in name order.
+    pub fn canonical(&self) -> String {
+        let kv: Vec<String> = self
+            .values
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        if kv.is_empty() {
+            self.policy.to_string()
+        } else {
+            format!("{}:{}", self.policy, kv.join(","))
+        }
+    }
+}
