@@ -1,0 +1,228 @@
+//! The allocation and merge wrappers over every registered scorer, and the
+//! shared selection they all go through, on hand-built layers.
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::{random_layer, simple_layer};
+use kvreplay_replay::policies::{find, scorer_names, Build};
+use kvreplay_replay::spec::parse_one;
+use kvreplay_replay::{LayerData, PolicySpec, PrefillCtx, Scorer, Unit};
+
+/// The scorer `spec` (a registered scorer with parameters) built on its own.
+fn scorer(spec: &str) -> std::sync::Arc<dyn Scorer> {
+    let p = parse_one(spec).unwrap();
+    match find(p.policy).unwrap().build {
+        Build::Scorer(f) => f(&p).unwrap(),
+        _ => panic!("{spec} is not a scorer"),
+    }
+}
+
+/// Kept prompt positions per cache after prefill.
+fn kept(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<usize>> {
+    let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
+    let (caches, _) = policy.prefill(&PrefillCtx::new(data, budget)).unwrap();
+    caches.iter().map(|c| c.positions()).collect()
+}
+
+/// An independent top-`k` of `candidates` by (score desc, later position first).
+fn best(scores: &[f32], candidates: std::ops::Range<usize>, k: usize, later: bool) -> BTreeSet<usize> {
+    let mut c: Vec<usize> = candidates.collect();
+    c.sort_by(|&a, &b| {
+        scores[b]
+            .partial_cmp(&scores[a])
+            .unwrap()
+            .then(if later { b.cmp(&a) } else { a.cmp(&b) })
+    });
+    c.into_iter().take(k).collect()
+}
+
+/// The pyramid's selected count of `layer`, written out from PyramidKV's
+/// rule: P = B − w; T < 2P: uniform; else min = ⌊P/β⌋, max = 2P − min,
+/// capped at T − w, step = ⌊(max − min)/(L − 1)⌋.
+fn pyramid(t: usize, b: usize, w: usize, beta: usize, layer: usize, n_layers: usize) -> usize {
+    let avg = b - w;
+    if t < 2 * avg {
+        return avg;
+    }
+    let (mut lo, mut hi) = (avg / beta, 2 * avg - avg / beta);
+    if hi >= t - w {
+        hi = t - w;
+        lo = 2 * avg - hi;
+    }
+    hi - layer * ((hi - lo) / (n_layers - 1))
+}
+
+fn layers(n: usize, p: usize) -> Vec<LayerData> {
+    (0..n)
+        .map(|l| {
+            let mut d = random_layer(40 + l as u64, 4, 2, 8, p, p + 4);
+            (d.layer, d.n_layers) = (l, n);
+            d
+        })
+        .collect()
+}
+
+#[test]
+fn pyramidkv_gives_every_scorer_per_layer_budgets() {
+    // 4 layers, P = 40, B = 16, β = 2: every scorer's own selection with the
+    // pyramid's count per layer, its protected positions kept.
+    let (p, b, n) = (40, 16, 4);
+    let data = layers(n, p);
+    for name in scorer_names() {
+        let base = match name {
+            "knorm" => "knorm:skip_layers=none".to_string(),
+            "snapkv" => "snapkv:w=8".to_string(),
+            _ => name.to_string(),
+        };
+        let s = scorer(&base);
+        let prot = s.protect(b).unwrap();
+        let spec = format!("pyramidkv:scorer={name},beta=2{}", &base[name.len()..].replace(':', ","));
+        let mut counts = Vec::new();
+        for d in &data {
+            let got = kept(&spec, d, b);
+            let want_n = if prot.total() >= b {
+                0
+            } else {
+                pyramid(p, b, prot.total(), 2, d.layer, n)
+            };
+            let ctx = PrefillCtx::new(d, b);
+            for (g, pos) in got.iter().enumerate() {
+                let unit = Unit { kv_head: g, heads: 2 * g..2 * g + 2 };
+                let scores = s.score(&ctx, &unit);
+                let later = s.tie() == kvreplay_replay::select::Tie::KeepLater;
+                let mut want = best(&scores, prot.sinks..p - prot.recent, want_n, later);
+                want.extend((0..prot.sinks).chain(p - prot.recent..p));
+                assert_eq!(pos.iter().copied().collect::<BTreeSet<_>>(), want, "{spec} layer {}", d.layer);
+            }
+            counts.push(got[0].len());
+        }
+        // shallow layers keep more, whatever the scorer (unless nothing is selected)
+        if prot.total() < b {
+            assert!(counts.windows(2).all(|w| w[0] >= w[1]) && counts[0] > counts[n - 1], "{spec}: {counts:?}");
+        }
+    }
+    // Known numbers: w = 8 -> P = 8, T = 40: min 4, max 12, step 2 -> 12, 10, 8, 6 (+ 8 window)
+    let sizes: Vec<usize> = data.iter().map(|d| kept("pyramidkv:beta=2", d, 16)[0].len()).collect();
+    assert_eq!(sizes, vec![20, 18, 16, 14]);
+}
+
+#[test]
+fn adakv_gives_every_scorer_per_head_budgets() {
+    // KV head 0's scores dominate on a hand-built layer, so with alpha = 0 it
+    // takes more of the layer's 2·(B − w) selections; every scorer's per-head
+    // choice is its own top B_h, and the total is the layer's budget.
+    let (p, b) = (40, 16);
+    let data = layers(1, p).remove(0);
+    for name in scorer_names() {
+        let base = match name {
+            "knorm" => "knorm:skip_layers=none",
+            "snapkv" => "snapkv:w=8",
+            _ => name,
+        };
+        let s = scorer(base);
+        let prot = s.protect(b).unwrap();
+        let spec = format!("adakv:scorer={name},alpha=0{}", &base[name.len()..].replace(':', ","));
+        let got = kept(&spec, &data, b);
+        let avg = b.saturating_sub(prot.total());
+        if avg == 0 {
+            continue;
+        }
+        // the cross-head form (SnapKV: window means) decides
+        let cross = s.across_heads().unwrap_or(s.clone());
+        let ctx = PrefillCtx::new(&data, b);
+        let scores: Vec<Vec<f32>> = (0..2)
+            .map(|g| cross.score(&ctx, &Unit { kv_head: g, heads: 2 * g..2 * g + 2 }))
+            .collect();
+        // independent global top 2·avg of (head, position) pairs
+        let mut pairs: Vec<(f32, usize, usize)> = (0..2)
+            .flat_map(|g| (prot.sinks..p - prot.recent).map(move |i| (g, i)))
+            .map(|(g, i)| (scores[g][i], i, g))
+            .collect();
+        pairs.sort_by(|x, y| y.0.partial_cmp(&x.0).unwrap().then(y.1.cmp(&x.1)).then(x.2.cmp(&y.2)));
+        let n_h: Vec<usize> = (0..2)
+            .map(|g| pairs.iter().take(2 * avg).filter(|x| x.2 == g).count())
+            .collect();
+        for g in 0..2 {
+            let later = s.tie() == kvreplay_replay::select::Tie::KeepLater;
+            let mut want = best(&scores[g], prot.sinks..p - prot.recent, n_h[g], later);
+            want.extend((0..prot.sinks).chain(p - prot.recent..p));
+            assert_eq!(got[g].iter().copied().collect::<BTreeSet<_>>(), want, "{spec} head {g}");
+        }
+        assert_eq!(n_h[0] + n_h[1], 2 * avg, "{spec}");
+    }
+    // Known answer: KV head 0's attention is flat (column sums 2.45, 1.45,
+    // .95, .62, .37, .17), KV head 1's sits on a sink at 0 (≈ 5.9 there, the
+    // rest ≈ 0). H2O scores with recent = 1 and B = 3: 2 heads × 2 selections
+    // go to (h1, 0), (h0, 0), (h0, 1), (h0, 2), so head 0 selects 3 and head 1 one.
+    let data = simple_layer(&[vec![0.0; 7], vec![5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]], 1, 6, 0, 1);
+    let got = kept("adakv:scorer=h2o,recent=1,alpha=0", &data, 3);
+    assert_eq!(got, vec![vec![0, 1, 2, 5], vec![0, 5]]);
+    // alpha = 1: every head keeps ⌊1·2⌋ = 2 (the uniform split): head 1 its sink and 1
+    let got = kept("adakv:scorer=h2o,recent=1,alpha=1", &data, 3);
+    assert_eq!(got, vec![vec![0, 1, 5], vec![0, 1, 5]]);
+}
+
+#[test]
+fn cam_merges_for_any_scorer_and_keeps_the_scorers_selection() {
+    // CaM changes values, never which positions stay: for every scorer the
+    // kept positions equal the scorer's own, and values of kept entries after
+    // an evicted one change only where a merge reached them.
+    let data = layers(1, 30).remove(0);
+    for name in scorer_names() {
+        let base = if name == "knorm" { "knorm:skip_layers=none" } else { name };
+        let plain = kept(base, &data, 12);
+        let spec = format!("cam:scorer={name},expected=true{}", &base[name.len()..].replace(':', ","));
+        let policy = PolicySpec::parse(&spec).unwrap().build().unwrap();
+        let (caches, _) = policy.prefill(&PrefillCtx::new(&data, 12)).unwrap();
+        for (g, c) in caches.iter().enumerate() {
+            assert_eq!(c.positions(), plain[g], "{spec}");
+            assert_eq!(c.keys, PrefillCtx::new(&data, 12).exact_cache(g, &plain[g]).keys, "{spec}: keys never change");
+        }
+    }
+}
+
+#[test]
+fn random_keeps_the_first_b_of_a_seeded_permutation() {
+    // The SplitMix64 Fisher-Yates draw of (seed 0, layer 0, KV head 0) over 10
+    // positions, written out independently: its first 4 draws are kept.
+    let data = simple_layer(&[vec![0.0; 11]], 1, 10, 0, 1);
+    let mut state = 0u64 ^ 0x9E37_79B9_7F4A_7C15;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    // for_head(seed, layer 0, head 0): two chained generators, xor with 0
+    let a = next();
+    let mut s2 = a;
+    let mut next2 = move || {
+        s2 = s2.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s2;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut s3 = next2();
+    let mut below = move |n: usize| {
+        s3 = s3.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s3;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (((z >> 11) as f64 / (1u64 << 53) as f64) * n as f64) as usize
+    };
+    let mut idx: Vec<usize> = (0..10).collect();
+    for i in 0..4 {
+        let j = i + below(10 - i);
+        idx.swap(i, j);
+    }
+    let mut want = idx[..4].to_vec();
+    want.sort_unstable();
+    assert_eq!(kept("random", &data, 4), vec![want.clone()]);
+    assert_ne!(kept("random:seed=1", &data, 4), vec![want], "another seed, another draw");
+    assert_eq!(kept("random", &data, 10), vec![(0..10).collect::<Vec<_>>()]);
+}
