@@ -81,6 +81,9 @@ pub struct Caps {
     pub cross_layer: bool,
     /// Keeps one cache per query head by default (G× the entries of a per-KV-head cache).
     pub per_query_head: bool,
+    /// Holds a fixed capacity during decode under its defaults: each step's
+    /// query sees capacity + 1 entries, then the policy evicts back.
+    pub holds_capacity: bool,
     /// The cache equals the uncompressed one when the budget covers the
     /// trace (false: entries are re-expressed whatever the budget).
     pub exact_when_covering: bool,
@@ -95,11 +98,13 @@ impl Caps {
         quantises: false,
         cross_layer: false,
         per_query_head: false,
+        holds_capacity: false,
         exact_when_covering: true,
     };
     /// A decode-time eviction policy (`decode_evict=false`: prefill only).
     pub const EVICT_DECODE: Caps = Caps {
         phase: Phase::DecodeByDefault,
+        holds_capacity: true,
         ..Caps::EVICT_PREFILL
     };
 

@@ -3,7 +3,7 @@
 use kvreplay_replay::policy::PrefillCtx;
 use kvreplay_replay::{Budget, PolicySpec, ReplayError};
 
-use super::{b0, fmt, Claim, Ctx, Verdict};
+use super::ctx::{b0, fmt, Claim, Ctx, Verdict};
 use crate::stats::{mean, slope, spearman};
 
 pub(super) fn ahakv(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayError> {

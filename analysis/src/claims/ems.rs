@@ -2,7 +2,7 @@
 
 use kvreplay_replay::ReplayError;
 
-use super::{b0, fmt, top_k, Claim, Ctx, Verdict};
+use super::ctx::{b0, fmt, top_k, Claim, Ctx, Verdict};
 use crate::stats::{cosine, cv, mean};
 
 pub(super) fn ems(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayError> {

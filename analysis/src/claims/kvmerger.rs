@@ -2,7 +2,7 @@
 
 use kvreplay_replay::{Budget, PolicySpec, ReplayError};
 
-use super::{fmt, Claim, Ctx, Verdict};
+use super::ctx::{fmt, Claim, Ctx, Verdict};
 use crate::stats::{cosine, mean};
 
 pub(super) fn kvmerger(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayError> {

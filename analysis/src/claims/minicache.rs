@@ -2,7 +2,7 @@
 
 use kvreplay_replay::{Budget, PolicySpec, ReplayError};
 
-use super::{b0, fmt, Claim, Ctx, Verdict};
+use super::ctx::{b0, fmt, Claim, Ctx, Verdict};
 use crate::stats::{cosine, mean, spearman};
 
 pub(super) fn minicache(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayError> {

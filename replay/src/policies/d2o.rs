@@ -1,7 +1,7 @@
 //! D2O: layer-level budgets from attention density, token-level eviction with
 //! recall-and-merge of evicted tokens under an EMA similarity threshold.
 //!
-//! Rule (../shared/specs/d2o.md §2, the paper preset): per layer, the sample
+//! Rule (docs/methods/d2o.md, spec §2, the paper preset): per layer, the sample
 //! variance of each head's prompt column sums, min-max normalised across the
 //! layer's heads and averaged, gives s_l; φ = softmax(−s) over layers;
 //! r_l = clamp(L·B·φ_l/P, 0.01, 1) (absolute-budget mode: B is the average
@@ -17,10 +17,10 @@
 
 use std::sync::Arc;
 
-use super::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, Policy, PrefillCtx, StepCtx};
-use crate::spec::{Kind, ParamInfo, Params};
+use crate::params::{Kind, ParamInfo, Params};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
@@ -39,7 +39,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "allocation", default: "inv_var_softmax", kind: Kind::Choice(&["inv_var_softmax", "uniform", "reciprocal", "exp_decay", "inv_var_softmax_raw"]), help: "layer budget rule (Table 4 variants; uniform = without the layer operation)" },
         ParamInfo { name: "protect_layers", default: "false", kind: Kind::Bool, help: "official code: layers 0, 1 and L−1 are never compressed" },
     ],
-    caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, exact_when_covering: false, ..Caps::EVICT_PREFILL },
+    caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, holds_capacity: true, exact_when_covering: false, ..Caps::EVICT_PREFILL },
     test: "d2o_first_compression_merges_tokens_at_least_as_similar_as_the_mean",
     build: Build::Policy(|p| {
         Ok(Arc::new(D2o::from_params(p)?))

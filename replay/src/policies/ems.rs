@@ -1,6 +1,6 @@
 //! EMS: evict-then-merge with a global-local score, head-wise.
 //!
-//! Rule (../shared/specs/ems.md §2): per head, score tokens by
+//! Rule (docs/methods/ems.md, spec §2): per head, score tokens by
 //! s = max(α·s_glo, s_loc) (accumulated attention over all prompt queries,
 //! rescaled to the mean of the last-L_win-queries attention s_loc). After
 //! prefill the older tokens split by the mean-pooled score into N_imp class
@@ -18,10 +18,10 @@ use std::sync::Arc;
 
 use kvreplay_kernels::cpu::RopeCache;
 
-use super::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
 use crate::policy::{pool1d, DecodeState, Policy, Pool, PrefillCtx, StepCtx};
-use crate::spec::{Kind, ParamInfo, Params};
+use crate::params::{Kind, ParamInfo, Params};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
@@ -41,7 +41,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "zero_class", default: "free", kind: Kind::Choice(&["free", "literal_zero"]), help: "evicted to-be-merged tokens: freed, or kept as zero key/value slots that still take softmax mass" },
         ParamInfo { name: "similarity", default: "key_value", kind: Kind::Choice(&["key_value", "key", "value"]), help: "Table 8 ablation of the redundancy measure" },
     ],
-    caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, per_query_head: true, exact_when_covering: false, ..Caps::EVICT_PREFILL },
+    caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, per_query_head: true, holds_capacity: true, exact_when_covering: false, ..Caps::EVICT_PREFILL },
     test: "ems_merges_a_scaled_copy_of_a_centre",
     build: Build::Policy(|p| {
         Ok(Arc::new(Ems::from_params(p)?))

@@ -1,4 +1,5 @@
-//! Full cache: keeps everything (the reference every metric is measured against).
+//! Full cache: keeps everything (the reference every metric is measured
+//! against; docs/methods/full.md).
 
 use std::sync::Arc;
 

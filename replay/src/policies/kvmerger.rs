@@ -1,6 +1,6 @@
 //! KVMerger: merge runs of adjacent, similar keys with a Gaussian kernel.
 //!
-//! Rule (../shared/specs/kvmerger.md §2): per KV head, keep a recent window R
+//! Rule (docs/methods/kvmerger.md, spec §2): per KV head, keep a recent window R
 //! and heavy hitters H (largest accumulated attention a = Σ over the group's
 //! column sums, tie: smaller position) verbatim; split the rest (the pool) into
 //! maximal runs of consecutive positions, scan each run from its last token
@@ -21,10 +21,10 @@
 
 use std::sync::Arc;
 
-use super::{Build, Caps, Family, PolicyInfo};
+use crate::info::{Build, Caps, Family, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
 use crate::policy::{cosine, AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
-use crate::spec::{Kind, ParamInfo, Params};
+use crate::params::{Kind, ParamInfo, Params};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {

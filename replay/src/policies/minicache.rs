@@ -2,7 +2,7 @@
 //! direction (SLERP), keep each layer's norms, and keep the rare divergent
 //! token pairs unmerged.
 //!
-//! Rule (../shared/specs/landscape.md part A): layers S, S+1, ... form pairs
+//! Rule (docs/methods/minicache.md; landscape spec part A): layers S, S+1, ... form pairs
 //! (a, b) = (S+2j, S+2j+1); per pair, KV head and tensor (K or V), each
 //! position's two vectors become one unit direction e_p = SLERP(u_a, u_b; t)
 //! (t weights the deeper layer) plus the norms n^a_p, n^b_p; the angular
@@ -19,10 +19,10 @@
 
 use std::sync::Arc;
 
-use super::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
 use crate::policy::{DecodeState, GroupDecodeState, Policy, PrefillCtx, StepCtx};
-use crate::spec::{Kind, ParamInfo, Params};
+use crate::params::{Kind, ParamInfo, Params};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {

@@ -1,7 +1,7 @@
 //! KIVI-style quantisation, standalone (`quant`, on the full cache) or
 //! composed onto any policy (`snapkv+quant:bits=4`).
 //!
-//! Rule (KIVI, Liu et al. 2024; jy-yuan/KIVI): asymmetric min-max per group
+//! Rule (docs/methods/quant.md; KIVI, Liu et al. 2024; jy-yuan/KIVI): asymmetric min-max per group
 //! (scale = (max − min)/(2^b − 1), zero point = min, round, clamp; scale and
 //! min stored in f16). Keys per channel: groups of `group` consecutive entries
 //! along the token axis, quantised in whole chunks of `residual` entries, so
