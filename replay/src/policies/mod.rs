@@ -1,10 +1,11 @@
-//! The policy registry: one file per policy, one entry per policy here.
+//! The policy registry: one module per policy, one entry per policy here.
 //!
-//! Adding a policy: write `policies/NAME.rs` with its `INFO` (name, paper,
-//! parameters, capabilities, the name of its known-answer test, how to build
-//! it) and add `&NAME::INFO` to [`REGISTRY`]. `kvreplay policies`, the spec
-//! parser, the sweep, the golden test and the checks of README/SEMANTICS read
-//! the registry; a test fails when the known-answer test it names is missing.
+//! Adding a policy: write `policies/NAME.rs` (or `policies/NAME/mod.rs` with
+//! its parts beside it) with its `INFO` (name, paper, parameters,
+//! capabilities, the name of its known-answer test, how to build it) and add
+//! `&NAME::INFO` to [`REGISTRY`]. `kvreplay policies`, the spec parser, the
+//! sweep, the golden test and the checks of README/SEMANTICS read the
+//! registry; a test fails when the known-answer test it names is missing.
 
 use std::sync::Arc;
 
