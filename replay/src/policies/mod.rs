@@ -14,6 +14,34 @@ use crate::scorer::Scorer;
 use crate::spec::{ParamInfo, Params};
 use crate::ReplayError;
 
+/// An enum for a `Choice` parameter: one variant per accepted word, and the
+/// `FromStr` through which [`Params::choice`] reads it. The words are the
+/// ones the parameter's [`ParamInfo`] lists.
+macro_rules! choice_enum {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident {
+            $($(#[$vmeta:meta])* $variant:ident = $word:literal,)+
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        $vis enum $name {
+            $($(#[$vmeta])* $variant,)+
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = ();
+            fn from_str(s: &str) -> Result<$name, ()> {
+                match s {
+                    $($word => Ok($name::$variant),)+
+                    _ => Err(()),
+                }
+            }
+        }
+    };
+}
+
 pub mod adakv;
 pub mod ahakv;
 pub mod cam;
@@ -235,4 +263,27 @@ pub fn listing() -> String {
     }
     out.push_str("Spec syntax: NAME, NAME:key=value,key=value, WRAPPER:scorer=SCORER (e.g. adakv:scorer=tova), or BASE+WRAPPER (e.g. snapkv:w=16+quant:bits=2).\n");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{Kind, PolicySpec};
+
+    /// Every word a `Choice` parameter lists is one its policy reads (a typed
+    /// choice whose `FromStr` missed a word would refuse it here).
+    #[test]
+    fn every_listed_choice_builds() {
+        for info in REGISTRY {
+            for p in info.params {
+                if let Kind::Choice(words) = p.kind {
+                    for w in words {
+                        let spec = format!("{}:{}={w}", info.name, p.name);
+                        let built = PolicySpec::parse(&spec).and_then(|s| s.build());
+                        assert!(built.is_ok(), "{spec}: {:?}", built.err());
+                    }
+                }
+            }
+        }
+    }
 }

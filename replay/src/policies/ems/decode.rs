@@ -4,7 +4,7 @@
 //! the slot table at S_max.
 
 use super::entry::{cos_plus_normed, norm, unit, Entry, HeadState, Slot};
-use super::{Ems, Shape};
+use super::{DemoteRank, Ems, Shape, ZeroClass};
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, StepCtx};
 
@@ -40,7 +40,7 @@ impl DecodeState for Decode {
     #[allow(clippy::needless_range_loop)] // hi indexes the states and the caches alike
     fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
         for hi in 0..self.states.len() {
-            let a: Vec<f32> = if self.cfg.per_query_head {
+            let a: Vec<f32> = if self.cfg.per_query_head() {
                 ctx.probs[hi].clone()
             } else {
                 ctx.group_mean(hi)
@@ -116,7 +116,7 @@ impl DecodeState for Decode {
                 }
                 let cluster = |e: usize| sums[e];
                 let rank = |e: usize| {
-                    if cfg.anchor_slot {
+                    if cfg.demote_rank == DemoteRank::AnchorSlot {
                         at_anchor[e].unwrap_or(best[e])
                     } else {
                         sums[e]
@@ -140,11 +140,7 @@ impl DecodeState for Decode {
                         let ee = st.entries[e].as_ref().unwrap();
                         let kc = || cos_plus_normed(&ec.sim, ec.sim_norm, &ee.sim, ee.sim_norm);
                         let vc = || cos_plus_normed(&ec.val, ec.val_norm, &ee.val, ee.val_norm);
-                        let r = match cfg.similarity {
-                            1 => kc(),
-                            2 => vc(),
-                            _ => kc() * vc(),
-                        };
+                        let r = cfg.similarity.of(kc, vc);
                         let better = match best {
                             None => true,
                             Some((b, rb)) => r > rb || (r == rb && ee.anchor < anchor(b)),
@@ -192,7 +188,7 @@ impl DecodeState for Decode {
                                 s.key.clear();
                             });
                     }
-                    None if cfg.literal_zero => {
+                    None if cfg.zero_class == ZeroClass::LiteralZero => {
                         let z = match st
                             .entries
                             .iter()

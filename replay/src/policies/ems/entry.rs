@@ -97,7 +97,7 @@ impl Ems {
     /// Key as merged: raw (un-rotated at its position) or as captured.
     pub(super) fn key_space(&self, k: &[f32], pos: usize, rope: &Option<RopeCache>) -> Vec<f32> {
         let mut x = k.to_vec();
-        if self.raw_space {
+        if self.raw_space() {
             rope.as_ref()
                 .expect("checked at prefill")
                 .rotate(&mut x, pos, -1.0);
@@ -108,7 +108,7 @@ impl Ems {
     /// Similarity vector of an entry's direction (positional with sim_pos in raw space).
     pub(super) fn sim_vec(&self, dir: &[f32], anchor: usize, rope: &Option<RopeCache>) -> Vec<f32> {
         let mut x = dir.to_vec();
-        if self.sim_pos && self.raw_space {
+        if self.sim_pos && self.raw_space() {
             rope.as_ref()
                 .expect("checked at prefill")
                 .rotate(&mut x, anchor, 1.0);
@@ -141,7 +141,7 @@ impl Ems {
                 .expect("slots point at live entries");
             if s.key.is_empty() {
                 s.key = e.dir.iter().map(|x| x * s.knorm).collect();
-                if self.raw_space {
+                if self.raw_space() {
                     sh.rope
                         .as_ref()
                         .expect("checked")

@@ -59,23 +59,99 @@ pub static INFO: PolicyInfo = PolicyInfo {
     }),
 };
 
+choice_enum! {
+    /// `gqa_mode`: how many caches a layer keeps.
+    pub enum GqaMode {
+        /// One per query head (the paper).
+        PerQueryHead = "per_query_head",
+        /// One per KV head, scored with the group's mean attention.
+        PerKvHead = "per_kv_head",
+    }
+}
+
+choice_enum! {
+    /// `merge_space`: the space keys are merged in.
+    pub enum MergeSpace {
+        /// Un-rotated keys; each member is re-rotated at its own position.
+        Raw = "raw",
+        /// The captured (post-RoPE) keys.
+        PostRope = "post_rope",
+    }
+}
+
+choice_enum! {
+    /// `demote_rank`: how the centre demoted at decode is ranked.
+    pub enum DemoteRank {
+        /// By the sum of its slots' scores.
+        ClusterSum = "cluster_sum",
+        /// By the score of the slot at its anchor.
+        AnchorSlot = "anchor_slot",
+    }
+}
+
+choice_enum! {
+    /// `score`: Table 4's ablation of the token score.
+    pub enum Score {
+        /// max(α·s_glo, s_loc).
+        GlobalLocal = "global_local",
+        Global = "global",
+        Local = "local",
+    }
+}
+
+choice_enum! {
+    /// `similarity`: Table 8's ablation of the redundancy measure.
+    pub enum Similarity {
+        /// cos⁺(keys)·cos⁺(values).
+        KeyValue = "key_value",
+        Key = "key",
+        Value = "value",
+    }
+}
+
+impl Similarity {
+    /// The redundancy from the key and value cos⁺ (each evaluated only if used).
+    fn of(self, key: impl Fn() -> f64, value: impl Fn() -> f64) -> f64 {
+        match self {
+            Similarity::Key => key(),
+            Similarity::Value => value(),
+            Similarity::KeyValue => key() * value(),
+        }
+    }
+    fn uses_keys(self) -> bool {
+        self != Similarity::Value
+    }
+    fn uses_values(self) -> bool {
+        self != Similarity::Key
+    }
+}
+
+choice_enum! {
+    /// `zero_class`: what becomes of to-be-merged tokens no centre takes.
+    pub enum ZeroClass {
+        /// Evicted.
+        Free = "free",
+        /// Kept as zero key/value slots (ems.md A3) that still take softmax mass.
+        LiteralZero = "literal_zero",
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Ems {
+    /// L_win; None = auto, min(32, ⌊B/2⌋).
     pub window: Option<usize>,
     pub tau: f64,
     /// None = infinite.
     pub gamma: Option<f64>,
     pub kernel: usize,
+    /// Similarity on post-RoPE keys (always so with `merge_space=post_rope`).
     pub sim_pos: bool,
-    pub per_query_head: bool,
-    pub raw_space: bool,
-    pub anchor_slot: bool,
-    /// 0 global-local, 1 global, 2 local
-    pub score: u8,
-    /// 0 key·value, 1 key, 2 value
-    pub similarity: u8,
-    /// Zero-class members keep a zero key/value slot (ems.md A3) instead of being freed.
-    pub literal_zero: bool,
+    pub gqa_mode: GqaMode,
+    pub merge_space: MergeSpace,
+    pub demote_rank: DemoteRank,
+    pub score: Score,
+    pub similarity: Similarity,
+    pub zero_class: ZeroClass,
 }
 
 impl Ems {
@@ -101,8 +177,7 @@ impl Ems {
                 "the pooling kernel must be odd",
             ));
         }
-        let raw_space = p.word("merge_space") == "raw";
-        let sim_pos = p.bool("sim_pos")?;
+        let merge_space: MergeSpace = p.choice("merge_space")?;
         Ok(Ems {
             window: if p.word("window") == "auto" {
                 None
@@ -113,22 +188,22 @@ impl Ems {
             gamma,
             kernel,
             // with post-RoPE merging there are no raw keys to compare: similarity is positional
-            sim_pos: sim_pos || !raw_space,
-            per_query_head: p.word("gqa_mode") == "per_query_head",
-            raw_space,
-            anchor_slot: p.word("demote_rank") == "anchor_slot",
-            score: match p.word("score") {
-                "global" => 1,
-                "local" => 2,
-                _ => 0,
-            },
-            similarity: match p.word("similarity") {
-                "key" => 1,
-                "value" => 2,
-                _ => 0,
-            },
-            literal_zero: p.word("zero_class") == "literal_zero",
+            sim_pos: p.bool("sim_pos")? || merge_space == MergeSpace::PostRope,
+            gqa_mode: p.choice("gqa_mode")?,
+            merge_space,
+            demote_rank: p.choice("demote_rank")?,
+            score: p.choice("score")?,
+            similarity: p.choice("similarity")?,
+            zero_class: p.choice("zero_class")?,
         })
+    }
+
+    fn per_query_head(&self) -> bool {
+        self.gqa_mode == GqaMode::PerQueryHead
+    }
+
+    fn raw_space(&self) -> bool {
+        self.merge_space == MergeSpace::Raw
     }
 
     fn window(&self, b: usize) -> usize {
@@ -151,9 +226,9 @@ struct Shape {
 impl Ems {
     fn combine(&self, alpha: f64, glo: f64, loc: f64) -> f64 {
         match self.score {
-            1 => glo,
-            2 => loc,
-            _ => (alpha * glo).max(loc),
+            Score::Global => glo,
+            Score::Local => loc,
+            Score::GlobalLocal => (alpha * glo).max(loc),
         }
     }
 }
@@ -173,7 +248,7 @@ impl Policy for Ems {
                 msg: format!("N_budget {b} must exceed the window L_win = {l_win}; lower `window` or raise the budget"),
             });
         }
-        if self.raw_space && ctx.rope().is_none() {
+        if self.raw_space() && ctx.rope().is_none() {
             return Err(ReplayError::BadParam {
                 policy: "ems".into(),
                 key: "merge_space".into(),

@@ -3,7 +3,7 @@
 //! the window and the evicted rest.
 
 use super::entry::{norm, unit, Entry, HeadState, Slot, EPS};
-use super::{Ems, Shape};
+use super::{Ems, Shape, ZeroClass};
 use crate::policy::{pool1d, Pool, PrefillCtx};
 
 /// (s_glo, s_loc) of one query head over the prompt positions.
@@ -42,7 +42,7 @@ impl Ems {
             }
             out
         };
-        ctx.cache_units(self.per_query_head)
+        ctx.cache_units(self.per_query_head())
             .into_iter()
             .map(|(g, heads)| {
                 self.build(
@@ -161,16 +161,12 @@ impl Ems {
                 kvreplay_kernels::cpu::dot_rows(&rows(tbm), &rows(&imp), sh.d, &mut out);
                 out
             };
-            let kdot = pairs(&ksim, self.similarity != 2);
-            let vdot = pairs(&vsim, self.similarity != 1);
+            let kdot = pairs(&ksim, self.similarity.uses_keys());
+            let vdot = pairs(&vsim, self.similarity.uses_values());
             let redundancy = |ti: usize, ci: usize| -> f64 {
                 let kc = || (kdot[ti * nc + ci] as f64).max(0.0);
                 let vc = || (vdot[ti * nc + ci] as f64).max(0.0);
-                match self.similarity {
-                    1 => kc(),
-                    2 => vc(),
-                    _ => kc() * vc(),
-                }
+                self.similarity.of(kc, vc)
             };
             let mut members: Vec<Vec<usize>> = imp.iter().map(|&c| vec![c]).collect();
             let mut zero_members: Vec<usize> = Vec::new();
@@ -187,7 +183,7 @@ impl Ems {
                 }
                 if self.tau < 1.0 && best.1 >= self.tau {
                     members[best.0].push(i);
-                } else if self.literal_zero {
+                } else if self.zero_class == ZeroClass::LiteralZero {
                     zero_members.push(i);
                 }
             }
