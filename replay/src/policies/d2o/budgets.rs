@@ -2,13 +2,13 @@
 //! variance of its heads' attention, its ratio r_l of the prompt and its
 //! counts (N important, M recent).
 
-use super::D2o;
+use super::{Allocation, D2o};
 
 impl D2o {
     /// φ over layers from every layer's per-head column sums (each (n_heads·P)).
     pub fn layer_shares(&self, colsums: &[&[f32]], n_heads: usize, p: usize) -> Vec<f64> {
         let l = colsums.len();
-        if p < 2 || self.allocation == "uniform" {
+        if p < 2 || self.allocation == Allocation::Uniform {
             return vec![1.0 / l as f64; l];
         }
         let var = |c: &[f32]| {
@@ -29,15 +29,18 @@ impl D2o {
             .iter()
             .map(|vh| vh.iter().sum::<f64>() / vh.len() as f64)
             .collect();
-        match self.allocation.as_str() {
-            "reciprocal" => {
+        match self.allocation {
+            Allocation::Reciprocal => {
                 let r: Vec<f64> = raw.iter().map(|x| 1.0 / x.max(1e-12)).collect();
                 let z: f64 = r.iter().sum();
                 r.iter().map(|x| x / z).collect()
             }
-            "exp_decay" => softmax(raw.iter().map(|x| -x).collect()),
-            "inv_var_softmax_raw" => softmax(raw.iter().map(|x| 1.0 / x.max(1e-12)).collect()),
-            _ => {
+            Allocation::ExpDecay => softmax(raw.iter().map(|x| -x).collect()),
+            Allocation::InvVarSoftmaxRaw => {
+                softmax(raw.iter().map(|x| 1.0 / x.max(1e-12)).collect())
+            }
+            // (uniform returned above)
+            Allocation::InvVarSoftmax | Allocation::Uniform => {
                 let s: Vec<f64> = v
                     .iter()
                     .map(|vh| {
@@ -74,6 +77,7 @@ pub fn layer_counts(phi: f64, n_layers: usize, b: usize, p: usize, f: f64) -> (u
 
 #[cfg(test)]
 mod tests {
+    use super::super::{MatchOn, Merge, SinkSlot, Threshold};
     use super::*;
 
     #[test]
@@ -91,11 +95,11 @@ mod tests {
             f: 0.75,
             beta: 0.7,
             n_sink: 4,
-            sinks_in_recent: false,
-            ema: true,
-            merge: "weighted".into(),
-            match_on: 0,
-            allocation: "inv_var_softmax".into(),
+            sink_slot: SinkSlot::Important,
+            threshold: Threshold::Ema,
+            merge: Merge::Weighted,
+            match_on: MatchOn::Keys,
+            allocation: Allocation::InvVarSoftmax,
             protect_layers: false,
             per_query_head: false,
             defer_first: false,

@@ -76,7 +76,7 @@ impl DecodeState for Decode {
             // Protected: the sinks and the last M entries (M − |Z| with sinks in the recent share).
             let n = c.len();
             let sinks = st.sink.iter().filter(|x| **x).count();
-            let recent = if self.cfg.sinks_in_recent {
+            let recent = if self.cfg.sinks_in_recent() {
                 self.m.saturating_sub(sinks)
             } else {
                 self.m

@@ -2,7 +2,7 @@
 //! kept entry (cosine), tested against the EMA threshold τ and folded into its
 //! match, per head or with one τ shared by the layer's heads.
 
-use super::{D2o, HeadState};
+use super::{D2o, HeadState, MatchOn, Merge, Threshold};
 use crate::cache::HeadCache;
 
 impl D2o {
@@ -10,9 +10,9 @@ impl D2o {
     /// merge the values?, threshold slot).
     fn passes(&self) -> &'static [(bool, bool, bool, usize)] {
         match self.match_on {
-            1 => &[(true, true, true, 0)],
-            2 => &[(false, true, false, 0), (true, false, true, 1)],
-            _ => &[(false, true, true, 0)],
+            MatchOn::Keys => &[(false, true, true, 0)],
+            MatchOn::Values => &[(true, true, true, 0)],
+            MatchOn::Split => &[(false, true, false, 0), (true, false, true, 1)],
         }
     }
 
@@ -92,14 +92,14 @@ impl D2o {
             if absorbed.is_empty() {
                 continue;
             }
-            let (wk, ws): (f64, Vec<f64>) = match self.merge.as_str() {
-                "average" => (1.0, vec![1.0; absorbed.len()]),
-                "code_scaled_mean" => (1.0, absorbed.iter().map(|x| x.1).collect()),
-                _ => (1f64.exp(), absorbed.iter().map(|x| x.1.exp()).collect()),
+            let (wk, ws): (f64, Vec<f64>) = match self.merge {
+                Merge::Average => (1.0, vec![1.0; absorbed.len()]),
+                Merge::CodeScaledMean => (1.0, absorbed.iter().map(|x| x.1).collect()),
+                Merge::Weighted => (1f64.exp(), absorbed.iter().map(|x| x.1.exp()).collect()),
             };
-            let denom = match self.merge.as_str() {
-                "weighted" => wk + ws.iter().sum::<f64>(),
-                _ => 1.0 + absorbed.len() as f64,
+            let denom = match self.merge {
+                Merge::Weighted => wk + ws.iter().sum::<f64>(),
+                Merge::Average | Merge::CodeScaledMean => 1.0 + absorbed.len() as f64,
             };
             for (on, dst, src) in [
                 (merge.0, &mut c.keys, old.0),
@@ -130,7 +130,7 @@ impl D2o {
 
     /// The EMA threshold after observing mean best similarity `m`.
     fn update_tau(&self, tau: &mut Option<f64>, m: f64) -> f64 {
-        if !self.ema {
+        if self.threshold == Threshold::MergeAll {
             return f64::MIN;
         }
         let t = match *tau {

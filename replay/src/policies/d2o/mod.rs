@@ -57,17 +57,82 @@ pub static INFO: PolicyInfo = PolicyInfo {
     }),
 };
 
+choice_enum! {
+    /// `preset`: the paper's switches or the official code's settings.
+    pub enum Preset {
+        Paper = "paper",
+        Code = "code",
+    }
+}
+
+choice_enum! {
+    /// `sink_slot`: which share of the budget the sinks count in.
+    pub enum SinkSlot {
+        /// Inside N (official code).
+        Important = "important",
+        /// Inside M (paper wording).
+        Recent = "recent",
+    }
+}
+
+choice_enum! {
+    /// `threshold`: which evicted tokens are merged.
+    pub enum Threshold {
+        /// Those whose best similarity reaches the EMA threshold τ.
+        Ema = "ema",
+        /// All of them.
+        MergeAll = "none",
+    }
+}
+
+choice_enum! {
+    /// `merge`: the weights of a kept entry and the evicted ones it absorbs.
+    pub enum Merge {
+        /// e¹ for the kept entry and e^μ for each absorbed one, normalised (paper).
+        Weighted = "weighted",
+        /// The plain mean.
+        Average = "average",
+        /// The official code's (k + Σ μ k_x)/(1 + |B|).
+        CodeScaledMean = "code_scaled_mean",
+    }
+}
+
+choice_enum! {
+    /// `match_on`: the similarity that matches evicted tokens to kept ones.
+    pub enum MatchOn {
+        Keys = "keys",
+        Values = "values",
+        /// Keys for the key half and values for the value half, each with its own τ.
+        Split = "split",
+    }
+}
+
+choice_enum! {
+    /// `allocation`: the layer budget rule (Table 4's variants).
+    pub enum Allocation {
+        /// softmax(−s) of the min-max normalised head variances (paper).
+        InvVarSoftmax = "inv_var_softmax",
+        /// Without the layer operation: equal shares.
+        Uniform = "uniform",
+        /// Proportional to 1/variance.
+        Reciprocal = "reciprocal",
+        /// softmax(−variance).
+        ExpDecay = "exp_decay",
+        /// softmax(1/variance).
+        InvVarSoftmaxRaw = "inv_var_softmax_raw",
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct D2o {
     pub f: f64,
     pub beta: f64,
     pub n_sink: usize,
-    pub sinks_in_recent: bool,
-    pub ema: bool,
-    pub merge: String,
-    /// 0 keys, 1 values, 2 split (keys for keys, values for values)
-    pub match_on: u8,
-    pub allocation: String,
+    pub sink_slot: SinkSlot,
+    pub threshold: Threshold,
+    pub merge: Merge,
+    pub match_on: MatchOn,
+    pub allocation: Allocation,
     pub protect_layers: bool,
     /// One cache per query head (the official code repeats K/V per query head).
     pub per_query_head: bool,
@@ -99,30 +164,31 @@ impl D2o {
             f: unit("f")?,
             beta: unit("beta")?,
             n_sink: p.int("n_sink")?,
-            sinks_in_recent: p.word("sink_slot") == "recent",
-            ema: p.word("threshold") == "ema",
-            merge: p.word("merge").into(),
-            match_on: match p.word("match_on") {
-                "values" => 1,
-                "split" => 2,
-                _ => 0,
-            },
-            allocation: p.word("allocation").into(),
+            sink_slot: p.choice("sink_slot")?,
+            threshold: p.choice("threshold")?,
+            merge: p.choice("merge")?,
+            match_on: p.choice("match_on")?,
+            allocation: p.choice("allocation")?,
             protect_layers: p.bool("protect_layers")?,
             per_query_head: false,
             defer_first: false,
             shared_tau: false,
             fp16_scores: false,
         }
-        .with_preset(p.word("preset")))
+        .with_preset(p.choice("preset")?))
+    }
+
+    /// The sinks count inside M (`sink_slot=recent`).
+    fn sinks_in_recent(&self) -> bool {
+        self.sink_slot == SinkSlot::Recent
     }
 
     /// The official code's settings (d2o.md §2.6 items a to j): protected
     /// layers, first compression at decode step 1, per-query-head caches, one τ
     /// per layer, scaled-mean merge, τ ← (τ + m)/2, sinks inside N, layers
     /// whose budget reaches P − 1 stop compressing, N:M = 1:1, f16 scores.
-    fn with_preset(self, preset: &str) -> D2o {
-        if preset != "code" {
+    fn with_preset(self, preset: Preset) -> D2o {
+        if preset == Preset::Paper {
             return self;
         }
         D2o {
@@ -131,10 +197,10 @@ impl D2o {
             defer_first: true,
             shared_tau: true,
             fp16_scores: true,
-            merge: "code_scaled_mean".into(),
+            merge: Merge::CodeScaledMean,
             beta: 0.5,
             f: 0.5,
-            sinks_in_recent: false,
+            sink_slot: SinkSlot::Important,
             ..self
         }
     }
@@ -154,7 +220,7 @@ impl D2o {
     /// sinks (inside N, or inside M with `sink_slot=recent`), the N highest
     /// scores and the last M entries; returns the rest (to recall-and-merge).
     fn initial_evictions(&self, p: usize, st: &mut HeadState, n: usize, m: usize) -> Vec<usize> {
-        let (z, recent_start) = if self.sinks_in_recent {
+        let (z, recent_start) = if self.sinks_in_recent() {
             let z = self.n_sink.min(m).min(p);
             (z, p.saturating_sub(m - z))
         } else {
@@ -168,7 +234,7 @@ impl D2o {
         let mut keep = vec![false; p];
         (0..z).for_each(|i| keep[i] = true);
         (recent_start.max(z)..p).for_each(|i| keep[i] = true);
-        let n_top = if self.sinks_in_recent { n } else { n - z };
+        let n_top = if self.sinks_in_recent() { n } else { n - z };
         let mut cand: Vec<usize> = (z..recent_start.max(z)).collect();
         cand.sort_by(|&x, &y| {
             a[y].partial_cmp(&a[x])
