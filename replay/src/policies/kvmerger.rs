@@ -55,22 +55,96 @@ pub static INFO: PolicyInfo = PolicyInfo {
     }),
 };
 
+choice_enum! {
+    /// `budget_mode`: whether the budget bounds the prompt entries.
+    pub enum BudgetMode {
+        /// At most B prompt entries (the spec's extension for matched memory).
+        Hard = "hard",
+        /// The paper: the budget is ignored.
+        Soft = "soft",
+    }
+}
+
+choice_enum! {
+    /// `sigma`: the Gaussian kernel's width.
+    pub enum Sigma {
+        /// Σ‖k_t − k_p‖ / (√2·|S|).
+        Adaptive = "adaptive",
+        /// Σ‖k_t − k_p‖² / (√2·|S|).
+        AdaptiveSq = "adaptive_sq",
+        /// `sigma0`.
+        Fixed = "fixed",
+    }
+}
+
+choice_enum! {
+    /// `pivot`: the member the kernel is centred on.
+    pub enum Pivot {
+        /// The largest accumulated attention (tie: larger position).
+        AttnArgmax = "attn_argmax",
+        /// The largest attention from the set's own queries.
+        WithinSet = "within_set",
+        LastIndex = "last_index",
+        Random = "random",
+    }
+}
+
+choice_enum! {
+    /// `weighting`: the members' weights.
+    pub enum Weighting {
+        Gaussian = "gaussian",
+        Equal = "equal",
+    }
+}
+
+choice_enum! {
+    /// `value_mode`: how a merged value stands for its |S| members.
+    pub enum ValueMode {
+        /// v̂ = |S|·Σ w v (paper).
+        ScaleBySetSize = "scale_by_set_size",
+        /// v̂ = Σ w v with an attention bias ln|S|.
+        LogcountBias = "logcount_bias",
+        /// v̂ = Σ w v.
+        Plain = "plain",
+    }
+}
+
+choice_enum! {
+    /// `linkage`: the key a scanned token is compared with.
+    pub enum Linkage {
+        /// The next token.
+        Chain = "chain",
+        /// The set's first-scanned token.
+        Anchor = "anchor",
+    }
+}
+
+choice_enum! {
+    /// `adjacency`: what makes pool tokens one run.
+    pub enum Adjacency {
+        /// Consecutive positions (a protected token splits a run).
+        Positions = "positions",
+        /// The whole pool, in order.
+        PoolOrder = "pool_order",
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct KvMerger {
     pub eps: f64,
     pub r_rec: f64,
     pub r_hh: f64,
     pub beta: f64,
-    pub hard: bool,
-    pub sigma: String,
+    pub budget_mode: BudgetMode,
+    pub sigma: Sigma,
     pub sigma0: f64,
     pub exclude_pivot: bool,
-    pub pivot: String,
+    pub pivot: Pivot,
     pub seed: u64,
-    pub equal_weights: bool,
-    pub value_mode: String,
-    pub anchor: bool,
-    pub pool_order: bool,
+    pub weighting: Weighting,
+    pub value_mode: ValueMode,
+    pub linkage: Linkage,
+    pub adjacency: Adjacency,
     pub n_sink: usize,
 }
 
@@ -103,18 +177,22 @@ impl KvMerger {
             r_rec: frac("recent_ratio")?,
             r_hh: frac("hh_ratio")?,
             beta,
-            hard: p.word("budget_mode") == "hard",
-            sigma: p.word("sigma").into(),
+            budget_mode: p.choice("budget_mode")?,
+            sigma: p.choice("sigma")?,
             sigma0: p.float("sigma0")?,
             exclude_pivot: p.bool("exclude_pivot_in_sigma")?,
-            pivot: p.word("pivot").into(),
+            pivot: p.choice("pivot")?,
             seed: p.int("seed")? as u64,
-            equal_weights: p.word("weighting") == "equal",
-            value_mode: p.word("value_mode").into(),
-            anchor: p.word("linkage") == "anchor",
-            pool_order: p.word("adjacency") == "pool_order",
+            weighting: p.choice("weighting")?,
+            value_mode: p.choice("value_mode")?,
+            linkage: p.choice("linkage")?,
+            adjacency: p.choice("adjacency")?,
             n_sink: p.int("n_sink")?,
         })
+    }
+
+    fn hard(&self) -> bool {
+        self.budget_mode == BudgetMode::Hard
     }
 }
 
@@ -156,10 +234,10 @@ impl KvMerger {
         rng: &mut SplitMix64,
     ) -> (Vec<f32>, Vec<f32>, f32) {
         let d = ctx.head_dim();
-        let p = match self.pivot.as_str() {
-            "last_index" => *s.last().unwrap(),
-            "random" => s[rng.below(s.len())],
-            "within_set" => {
+        let p = match self.pivot {
+            Pivot::LastIndex => *s.last().unwrap(),
+            Pivot::Random => s[rng.below(s.len())],
+            Pivot::WithinSet => {
                 // attention each member receives from the set's own queries (full causal rows)
                 let mut sc = vec![0f64; s.len()];
                 for h in g * ctx.group()..(g + 1) * ctx.group() {
@@ -175,7 +253,7 @@ impl KvMerger {
                 }
                 argmax_last(s, &sc)
             }
-            _ => argmax_last(s, &s.iter().map(|&t| a[t]).collect::<Vec<_>>()),
+            Pivot::AttnArgmax => argmax_last(s, &s.iter().map(|&t| a[t]).collect::<Vec<_>>()),
         };
         let kp = ctx.key(g, p);
         let dist: Vec<f64> = s
@@ -194,12 +272,12 @@ impl KvMerger {
             } else {
                 s.len()
             } as f64;
-        let sigma = match self.sigma.as_str() {
-            "fixed" => self.sigma0,
-            "adaptive_sq" => dist.iter().sum::<f64>() / denom,
-            _ => dist.iter().map(|x| x.sqrt()).sum::<f64>() / denom,
+        let sigma = match self.sigma {
+            Sigma::Fixed => self.sigma0,
+            Sigma::AdaptiveSq => dist.iter().sum::<f64>() / denom,
+            Sigma::Adaptive => dist.iter().map(|x| x.sqrt()).sum::<f64>() / denom,
         };
-        let gw: Vec<f64> = if self.equal_weights || sigma == 0.0 {
+        let gw: Vec<f64> = if self.weighting == Weighting::Equal || sigma == 0.0 {
             vec![1.0; s.len()]
         } else {
             dist.iter()
@@ -215,10 +293,10 @@ impl KvMerger {
             }
         }
         let n = s.len() as f64;
-        let (vs, bias) = match self.value_mode.as_str() {
-            "scale_by_set_size" => (n, 0.0),
-            "logcount_bias" => (1.0, n.ln() as f32),
-            _ => (1.0, 0.0),
+        let (vs, bias) = match self.value_mode {
+            ValueMode::ScaleBySetSize => (n, 0.0),
+            ValueMode::LogcountBias => (1.0, n.ln() as f32),
+            ValueMode::Plain => (1.0, 0.0),
         };
         (
             k.iter().map(|x| *x as f32).collect(),
@@ -245,10 +323,10 @@ impl Policy for KvMerger {
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
         let (t, b, gs, d) = (ctx.prompt_len(), ctx.budget, ctx.group(), ctx.head_dim());
-        if self.hard && t <= b {
+        if self.hard() && t <= b {
             return Ok((ctx.full_caches(), Box::new(AppendOnly)));
         }
-        let (n_rec, n_hh) = if self.hard {
+        let (n_rec, n_hh) = if self.hard() {
             let r = ((b as f64 * self.r_rec / self.beta).floor() as usize).min(t);
             (
                 r,
@@ -281,7 +359,7 @@ impl Policy for KvMerger {
                 protected[i] = true;
             }
             let n_prot = protected.iter().filter(|x| **x).count();
-            if self.hard && n_prot > b {
+            if self.hard() && n_prot > b {
                 return Err(ReplayError::BadParam {
                     policy: "kvmerger".into(),
                     key: "recent_ratio".into(),
@@ -292,18 +370,19 @@ impl Policy for KvMerger {
             let pool: Vec<usize> = (0..t).filter(|&i| !protected[i]).collect();
             // Runs of the pool: consecutive original positions (or the whole pool in pool order).
             let mut runs: Vec<Vec<usize>> = Vec::new();
+            let pool_order = self.adjacency == Adjacency::PoolOrder;
             for &i in &pool {
                 match runs.last_mut() {
-                    Some(r) if self.pool_order || *r.last().unwrap() + 1 == i => r.push(i),
+                    Some(r) if pool_order || *r.last().unwrap() + 1 == i => r.push(i),
                     _ => runs.push(vec![i]),
                 }
             }
             let key = |i: usize| ctx.key(g, i).to_vec();
             let mut sets: Vec<Vec<usize>> = runs
                 .iter()
-                .flat_map(|r| sets_of_run(r, &key, self.eps, self.anchor))
+                .flat_map(|r| sets_of_run(r, &key, self.eps, self.linkage == Linkage::Anchor))
                 .collect();
-            if self.hard {
+            if self.hard() {
                 let m = b - n_prot;
                 if sets.len() > m {
                     sets = hard_sets(&runs, &key, m, &a);
