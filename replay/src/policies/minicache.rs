@@ -52,19 +52,50 @@ pub static INFO: PolicyInfo = PolicyInfo {
     }),
 };
 
+choice_enum! {
+    /// `rule`: which merged pairs keep their originals.
+    pub enum Rule {
+        /// The most divergent: dist > d_max − γ·(d_max − d_min).
+        MostDivergent = "default",
+        /// xKV's most-similar reading: dist ≤ d_min + γ·(d_max − d_min).
+        LiteralLow = "literal_low",
+        /// The top ρ fraction by distance.
+        TopFraction = "top_fraction",
+    }
+}
+
+choice_enum! {
+    /// `scope`: the set the distance range is taken over.
+    pub enum Scope {
+        PerHead = "per_head",
+        /// All KV heads of the pair.
+        Global = "global",
+    }
+}
+
+choice_enum! {
+    /// `merge`: how a pair of vectors becomes one.
+    pub enum Merge {
+        /// SLERP of the directions, per-layer norms and retention (MiniCache).
+        Slerp = "slerp",
+        /// The Mean-KV baseline: (x^a + x^b)/2, no retention.
+        Mean = "mean",
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct MiniCache {
     /// None = from the budget.
     pub start: Option<f64>,
     pub t: f32,
     pub gamma: f64,
-    pub rule: String,
+    pub rule: Rule,
     pub rho: f64,
-    pub global: bool,
+    pub scope: Scope,
     pub shared_from_k: bool,
     pub merge_decode: bool,
     pub compact: bool,
-    pub mean: bool,
+    pub merge: Merge,
     pub merge_k: bool,
     pub merge_v: bool,
     pub b_dir: u32,
@@ -81,18 +112,23 @@ impl MiniCache {
             start,
             t: p.float("t")? as f32,
             gamma: p.float("gamma")?,
-            rule: p.word("rule").into(),
+            rule: p.choice("rule")?,
             rho: p.float("rho")?,
-            global: p.word("scope") == "global",
+            scope: p.choice("scope")?,
             shared_from_k: p.bool("shared_from_k")?,
             merge_decode: p.bool("merge_decode")?,
             compact: p.bool("compact")?,
-            mean: p.word("merge") == "mean",
+            merge: p.choice("merge")?,
             merge_k: p.bool("merge_k")?,
             merge_v: p.bool("merge_v")?,
-            b_dir: p.word("b_dir").parse().expect("validated"),
-            b_norm: p.word("b_norm").parse().expect("validated"),
+            b_dir: p.choice("b_dir")?,
+            b_norm: p.choice("b_norm")?,
         })
+    }
+
+    /// The Mean-KV baseline (`merge=mean`).
+    fn mean(&self) -> bool {
+        self.merge == Merge::Mean
     }
 }
 
@@ -220,10 +256,10 @@ impl MiniCache {
             .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), d| {
                 (a.min(*d), b.max(*d))
             });
-        match self.rule.as_str() {
-            "literal_low" if !ds.is_empty() => Threshold::AtMost(mn + self.gamma * (mx - mn)),
-            "literal_low" => Threshold::AtMost(f64::NEG_INFINITY),
-            "top_fraction" => {
+        match self.rule {
+            Rule::LiteralLow if !ds.is_empty() => Threshold::AtMost(mn + self.gamma * (mx - mn)),
+            Rule::LiteralLow => Threshold::AtMost(f64::NEG_INFINITY),
+            Rule::TopFraction => {
                 let n = (self.rho * ms.len() as f64).ceil() as usize;
                 let mut idx: Vec<(f64, usize)> = ms
                     .iter()
@@ -242,8 +278,8 @@ impl MiniCache {
                         .fold(f64::INFINITY, f64::min),
                 )
             }
-            _ if !ds.is_empty() => Threshold::Above(mx - self.gamma * (mx - mn)),
-            _ => Threshold::Above(f64::INFINITY),
+            Rule::MostDivergent if !ds.is_empty() => Threshold::Above(mx - self.gamma * (mx - mn)),
+            Rule::MostDivergent => Threshold::Above(f64::INFINITY),
         }
     }
 
@@ -338,7 +374,7 @@ impl MiniCache {
         for (i, half) in [Half::K, Half::V].into_iter().enumerate() {
             match (&merged[i], th[i]) {
                 (Some(m), Some(t)) => {
-                    let retained = !self.mean
+                    let retained = !self.mean()
                         && (t.retains(m) || (half == Half::V && self.shared_from_k && k_retained));
                     if half == Half::K {
                         k_retained = retained;
@@ -355,7 +391,7 @@ impl MiniCache {
                         0,
                         m,
                         retained,
-                        self.mean,
+                        self.mean(),
                         self.compact,
                         idx,
                         self.dir_bits(d),
@@ -368,7 +404,7 @@ impl MiniCache {
                         1,
                         m,
                         retained,
-                        self.mean,
+                        self.mean(),
                         self.compact,
                         idx,
                         self.dir_bits(d),
@@ -396,7 +432,7 @@ impl MiniCache {
 
     fn merges(&self, a: &HeadCache, b: &HeadCache, e: usize) -> [Option<Merged>; 2] {
         let f = |x: &[f32], y: &[f32]| {
-            if self.mean {
+            if self.mean() {
                 mean_merge(x, y)
             } else {
                 let mut m = merge_token(x, y, self.t);
@@ -474,7 +510,7 @@ impl Policy for MiniCache {
         for g in 0..a.n_kv_heads() {
             let mut th = [None, None];
             for (i, slot) in th.iter_mut().enumerate() {
-                let set: Vec<&Merged> = if self.global {
+                let set: Vec<&Merged> = if self.scope == Scope::Global {
                     merged
                         .iter()
                         .flat_map(|h| h.iter().filter_map(|x| x[i].as_ref()))
@@ -553,13 +589,13 @@ mod tests {
             start: Some(0.0),
             t: 0.6,
             gamma: 0.25,
-            rule: "default".into(),
+            rule: Rule::MostDivergent,
             rho: 0.05,
-            global: false,
+            scope: Scope::PerHead,
             shared_from_k: false,
             merge_decode: true,
             compact: false,
-            mean: false,
+            merge: Merge::Slerp,
             merge_k: true,
             merge_v: true,
             b_dir: 16,
@@ -581,14 +617,14 @@ mod tests {
         assert_eq!(ms.iter().filter(|m| th.retains(m)).count(), 1);
         // literal_low keeps the most similar: τ' = 0.1 + 0.1 = 0.2 -> dist 0.1 and 0.2
         let lit = MiniCache {
-            rule: "literal_low".into(),
+            rule: Rule::LiteralLow,
             ..c.clone()
         };
         let th = lit.threshold(&refs);
         assert_eq!(ms.iter().filter(|m| th.retains(m)).count(), 2);
         // top_fraction with rho = 0.5 keeps the 2 largest
         let top = MiniCache {
-            rule: "top_fraction".into(),
+            rule: Rule::TopFraction,
             rho: 0.5,
             ..c
         };
