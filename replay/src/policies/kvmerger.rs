@@ -24,6 +24,7 @@ use std::sync::Arc;
 use super::{Build, Caps, Family, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
 use crate::policy::{cosine, AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
+use crate::select::cmp_f64;
 use crate::spec::{Kind, ParamInfo, Params};
 use crate::ReplayError;
 
@@ -350,11 +351,7 @@ impl Policy for KvMerger {
             (t - n_rec..t).for_each(|i| protected[i] = true);
             (0..sinks).for_each(|i| protected[i] = true);
             let mut cand: Vec<usize> = (sinks..t - n_rec).collect();
-            cand.sort_by(|&x, &y| {
-                a[y].partial_cmp(&a[x])
-                    .unwrap_or(std::cmp::Ordering::Equal)
-                    .then(x.cmp(&y))
-            });
+            cand.sort_by(|&x, &y| cmp_f64(a[y], a[x]).then(x.cmp(&y)));
             for &i in cand.iter().take(n_hh.saturating_sub(sinks)) {
                 protected[i] = true;
             }
@@ -431,12 +428,7 @@ fn hard_sets(
     if runs.len() > m {
         let mut order: Vec<usize> = (0..runs.len()).collect();
         let mx = |r: &Vec<usize>| r.iter().map(|&i| a[i]).fold(f64::MIN, f64::max);
-        order.sort_by(|&x, &y| {
-            mx(&runs[x])
-                .partial_cmp(&mx(&runs[y]))
-                .unwrap_or(std::cmp::Ordering::Equal)
-                .then(x.cmp(&y))
-        });
+        order.sort_by(|&x, &y| cmp_f64(mx(&runs[x]), mx(&runs[y])).then(x.cmp(&y)));
         let drop: std::collections::HashSet<usize> =
             order.into_iter().take(runs.len() - m).collect();
         runs = runs
@@ -454,11 +446,7 @@ fn hard_sets(
             links.push((cosine(&key(r[j]), &key(r[j + 1])), r[j + 1], ri, j));
         }
     }
-    links.sort_by(|x, y| {
-        y.0.partial_cmp(&x.0)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(y.1.cmp(&x.1))
-    });
+    links.sort_by(|x, y| cmp_f64(y.0, x.0).then(y.1.cmp(&x.1)));
     let total: usize = runs.iter().map(|r| r.len()).sum();
     let need = total.saturating_sub(m);
     let mut linked: Vec<Vec<bool>> = runs

@@ -19,9 +19,12 @@
 
 use std::sync::Arc;
 
+use kvreplay_kernels::cpu::l2_norm_f32;
+
 use super::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
 use crate::policy::{DecodeState, GroupDecodeState, Policy, PrefillCtx, StepCtx};
+use crate::select::cmp_f64;
 use crate::spec::{Kind, ParamInfo, Params};
 use crate::ReplayError;
 
@@ -149,17 +152,13 @@ pub struct Merged {
     pub forced: bool,
 }
 
-fn norm(x: &[f32]) -> f32 {
-    x.iter().map(|v| v * v).sum::<f32>().sqrt()
-}
-
 fn f16r(x: f32) -> f32 {
     half::f16::from_f32(x).to_f32()
 }
 
 /// SLERP merge of `a` (shallower) and `b` (deeper) with weight `t` on `b`.
 pub fn merge_token(a: &[f32], b: &[f32], t: f32) -> Merged {
-    let (na, nb) = (norm(a), norm(b));
+    let (na, nb) = (l2_norm_f32(a), l2_norm_f32(b));
     let unit = |x: &[f32], n: f32| -> Vec<f32> { x.iter().map(|v| v / n).collect() };
     let (mut e, dist, forced) = if na < 1e-8 || nb < 1e-8 {
         let e = if na >= 1e-8 {
@@ -174,7 +173,7 @@ pub fn merge_token(a: &[f32], b: &[f32], t: f32) -> Merged {
         let (ua, ub) = (unit(a, na), unit(b, nb));
         let diff: Vec<f32> = ua.iter().zip(&ub).map(|(x, y)| x - y).collect();
         let sum: Vec<f32> = ua.iter().zip(&ub).map(|(x, y)| x + y).collect();
-        let omega = 2.0 * norm(&diff).atan2(norm(&sum));
+        let omega = 2.0 * l2_norm_f32(&diff).atan2(l2_norm_f32(&sum));
         let pi = std::f32::consts::PI;
         if omega < 1e-6 {
             (
@@ -205,7 +204,7 @@ pub fn merge_token(a: &[f32], b: &[f32], t: f32) -> Merged {
     };
     // Store at f16 and renormalise, as the restore does.
     e.iter_mut().for_each(|v| *v = f16r(*v));
-    let n = norm(&e);
+    let n = l2_norm_f32(&e);
     if n > 0.0 {
         e.iter_mut().for_each(|v| *v /= n);
     }
@@ -266,11 +265,7 @@ impl MiniCache {
                     .enumerate()
                     .map(|(i, m)| (if m.forced { 1.0 } else { m.dist.unwrap_or(1.0) }, i))
                     .collect();
-                idx.sort_by(|x, y| {
-                    y.0.partial_cmp(&x.0)
-                        .unwrap_or(std::cmp::Ordering::Equal)
-                        .then(y.1.cmp(&x.1))
-                });
+                idx.sort_by(|x, y| cmp_f64(y.0, x.0).then(y.1.cmp(&x.1)));
                 Threshold::AtLeast(
                     idx.iter()
                         .take(n)
@@ -437,14 +432,14 @@ impl MiniCache {
             } else {
                 let mut m = merge_token(x, y, self.t);
                 if self.b_norm == 32 {
-                    (m.na, m.nb) = (norm(x), norm(y));
+                    (m.na, m.nb) = (l2_norm_f32(x), l2_norm_f32(y));
                 }
                 if self.b_dir < 16 {
                     // quantise the stored direction, then re-normalise it (landscape.md A5.10)
                     for chunk in m.e.chunks_mut(DIR_GROUP) {
                         super::quant::fake_quant(chunk, self.b_dir);
                     }
-                    let n = norm(&m.e);
+                    let n = l2_norm_f32(&m.e);
                     if n > 0.0 {
                         m.e.iter_mut().for_each(|v| *v /= n);
                     }

@@ -5,6 +5,7 @@
 use super::{counts, D2o, HeadState};
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, StepCtx};
+use crate::select::cmp_f64;
 
 pub(super) struct Decode {
     cfg: D2o,
@@ -84,10 +85,7 @@ impl DecodeState for Decode {
             let victim = (0..n.saturating_sub(recent))
                 .filter(|&e| !st.sink[e])
                 .min_by(|&x, &y| {
-                    st.score[x]
-                        .partial_cmp(&st.score[y])
-                        .unwrap_or(std::cmp::Ordering::Equal)
-                        .then(st.anchor[x].cmp(&st.anchor[y]))
+                    cmp_f64(st.score[x], st.score[y]).then(st.anchor[x].cmp(&st.anchor[y]))
                 });
             if let Some(e) = victim {
                 evicts[ci] = vec![e];

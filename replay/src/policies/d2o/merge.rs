@@ -2,6 +2,8 @@
 //! kept entry (cosine), tested against the EMA threshold τ and folded into its
 //! match, per head or with one τ shared by the layer's heads.
 
+use kvreplay_kernels::cpu::l2_norm;
+
 use super::{D2o, HeadState, MatchOn, Merge, Threshold};
 use crate::cache::HeadCache;
 
@@ -23,13 +25,7 @@ impl D2o {
         // The cosine ab / (|a| |b| + 1e-6) in f64, with each row's norm computed
         // once, and four kept rows per pass over the evicted row so the f64
         // sums of different pairs overlap (each sum keeps its order).
-        let norm = |e: usize| {
-            row(e)
-                .iter()
-                .map(|x| (*x as f64).powi(2))
-                .sum::<f64>()
-                .sqrt()
-        };
+        let norm = |e: usize| l2_norm(row(e));
         let kept_norm: Vec<f64> = kept.iter().map(|&k| norm(k)).collect();
         evict
             .iter()

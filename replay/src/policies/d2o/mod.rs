@@ -28,6 +28,7 @@ use std::sync::Arc;
 use super::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, Policy, PrefillCtx};
+use crate::select::cmp_f64;
 use crate::spec::{Kind, ParamInfo, Params};
 use crate::ReplayError;
 
@@ -236,11 +237,7 @@ impl D2o {
         (recent_start.max(z)..p).for_each(|i| keep[i] = true);
         let n_top = if self.sinks_in_recent() { n } else { n - z };
         let mut cand: Vec<usize> = (z..recent_start.max(z)).collect();
-        cand.sort_by(|&x, &y| {
-            a[y].partial_cmp(&a[x])
-                .unwrap_or(std::cmp::Ordering::Equal)
-                .then(x.cmp(&y))
-        });
+        cand.sort_by(|&x, &y| cmp_f64(a[y], a[x]).then(x.cmp(&y)));
         cand.iter().take(n_top).for_each(|&i| keep[i] = true);
         (0..p).filter(|&i| !keep[i]).collect()
     }

@@ -3,10 +3,13 @@
 //! important centre (merged into its most similar centre, or freed) and caps
 //! the slot table at S_max.
 
-use super::entry::{cos_plus_normed, norm, unit, Entry, HeadState, Slot};
+use kvreplay_kernels::cpu::l2_norm;
+
+use super::entry::{cos_plus_normed, unit, Entry, HeadState, Slot};
 use super::{DemoteRank, Ems, Shape, ZeroClass};
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, StepCtx};
+use crate::select::cmp_f64;
 
 pub(super) struct Decode {
     cfg: Ems,
@@ -65,7 +68,7 @@ impl DecodeState for Decode {
             st.slots.push(Slot {
                 pos: ctx.pos,
                 entry: id,
-                knorm: norm(&k_new) as f32,
+                knorm: l2_norm(&k_new) as f32,
                 s_glo: 0.0,
                 s_loc_past: 0.0,
                 s_loc_cur: 0.0,
@@ -125,12 +128,7 @@ impl DecodeState for Decode {
                 let anchor = |e: usize| st.entries[e].as_ref().unwrap().anchor;
                 let c = *centres
                     .iter()
-                    .min_by(|&&x, &&y| {
-                        rank(x)
-                            .partial_cmp(&rank(y))
-                            .unwrap_or(std::cmp::Ordering::Equal)
-                            .then(anchor(x).cmp(&anchor(y)))
-                    })
+                    .min_by(|&&x, &&y| cmp_f64(rank(x), rank(y)).then(anchor(x).cmp(&anchor(y))))
                     .unwrap();
                 let mut target = None;
                 if sh.n_tbm > 0 && cfg.tau < 1.0 {
@@ -231,10 +229,7 @@ impl DecodeState for Decode {
                 let is_zero = |i: usize| st.entries[st.slots[i].entry].as_ref().unwrap().zero;
                 let lowest = |pred: &dyn Fn(usize) -> bool| {
                     (0..st.slots.len()).filter(|&i| pred(i)).min_by(|&x, &y| {
-                        sgl[x]
-                            .partial_cmp(&sgl[y])
-                            .unwrap_or(std::cmp::Ordering::Equal)
-                            .then(st.slots[x].pos.cmp(&st.slots[y].pos))
+                        cmp_f64(sgl[x], sgl[y]).then(st.slots[x].pos.cmp(&st.slots[y].pos))
                     })
                 };
                 let victim = lowest(&is_zero).or_else(|| {

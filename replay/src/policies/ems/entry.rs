@@ -3,17 +3,12 @@
 //! table of both; the key spaces entries live in; a head's expansion into the
 //! engine's cache (one entry per slot).
 
-use kvreplay_kernels::cpu::RopeCache;
+use kvreplay_kernels::cpu::{l2_norm, RopeCache};
 
 use super::{Ems, Shape};
 use crate::cache::{HeadCache, F16_BITS};
 
 pub(super) const EPS: f64 = 1e-6;
-
-/// ‖x‖₂ in f64.
-pub(super) fn norm(x: &[f32]) -> f64 {
-    x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt()
-}
 
 /// x / (‖x‖ + ε), rounded to f32.
 pub(super) fn unit(x: &[f64]) -> Vec<f32> {
@@ -61,8 +56,8 @@ impl Entry {
     /// Recompute the cached similarity vector and norms after `dir` or `val` changed.
     pub(super) fn refresh(&mut self, cfg: &Ems, rope: &Option<RopeCache>) {
         self.sim = cfg.sim_vec(&self.dir, self.anchor, rope);
-        self.sim_norm = norm(&self.sim);
-        self.val_norm = norm(&self.val);
+        self.sim_norm = l2_norm(&self.sim);
+        self.val_norm = l2_norm(&self.val);
     }
 }
 

@@ -2,9 +2,12 @@
 //! classification into class centres (with the to-be-merged tokens folded in),
 //! the window and the evicted rest.
 
-use super::entry::{norm, unit, Entry, HeadState, Slot, EPS};
+use kvreplay_kernels::cpu::l2_norm;
+
+use super::entry::{unit, Entry, HeadState, Slot, EPS};
 use super::{Ems, Shape, ZeroClass};
 use crate::policy::{pool1d, Pool, PrefillCtx};
+use crate::select::cmp_f32;
 
 /// (s_glo, s_loc) of one query head over the prompt positions.
 type Scores = (Vec<f64>, Vec<f64>);
@@ -94,7 +97,7 @@ impl Ems {
                 st.slots.push(Slot {
                     pos: j,
                     entry: id,
-                    knorm: norm(ctx.key(g, j)) as f32,
+                    knorm: l2_norm(ctx.key(g, j)) as f32,
                     s_glo: s_glo[j],
                     s_loc_past: s_loc[j],
                     s_loc_cur: 0.0,
@@ -123,19 +126,14 @@ impl Ems {
                 Pool::Avg,
             );
             let mut order: Vec<usize> = (0..c_len).collect();
-            order.sort_by(|&a, &b| {
-                pooled[b]
-                    .partial_cmp(&pooled[a])
-                    .unwrap_or(std::cmp::Ordering::Equal)
-                    .then(a.cmp(&b))
-            });
+            order.sort_by(|&a, &b| cmp_f32(pooled[b], pooled[a]).then(a.cmp(&b)));
             let mut imp: Vec<usize> = order[..sh.n_imp.min(c_len)].to_vec();
             imp.sort_unstable();
             let tbm_n = sh.n_tbm.min(c_len - imp.len());
             let tbm = &order[imp.len()..imp.len() + tbm_n];
             // Similarity vectors and values, normalised once: cos⁺ becomes a clamped dot product.
             let unit32 = |x: &[f32]| -> Vec<f32> {
-                let n = norm(x) + EPS;
+                let n = l2_norm(x) + EPS;
                 x.iter().map(|v| (*v as f64 / n) as f32).collect()
             };
             let ksim: Vec<Vec<f32>> = (0..n)
@@ -200,7 +198,7 @@ impl Ems {
                 };
                 let (mut dir, mut val) = (vec![0f64; d], vec![0f64; d]);
                 for (&j, wj) in m.iter().zip(&w) {
-                    let kn = norm(&k_tilde[j]) + EPS;
+                    let kn = l2_norm(&k_tilde[j]) + EPS;
                     for x in 0..d {
                         dir[x] += wj * k_tilde[j][x] as f64 / kn;
                         val[x] += wj * ctx.value(g, j)[x] as f64;
