@@ -18,15 +18,24 @@
 //! m = B − |R| − |H| entries: the ε result if it fits, else adjacent pairs
 //! linked by decreasing cosine until m sets remain, else whole runs dropped by
 //! increasing max a.
+//!
+//! Files: `sets` (the merging sets of a run, ε-linked or under the hard
+//! budget), `merge` (one set collapsed into an entry).
+
+mod merge;
+mod sets;
 
 use std::sync::Arc;
 
 use super::{Build, Caps, Family, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
-use crate::policy::{cosine, AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
+use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
 use crate::select::cmp_f64;
 use crate::spec::{Kind, ParamInfo, Params};
 use crate::ReplayError;
+
+use sets::hard_sets;
+pub use sets::sets_of_run;
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "kvmerger",
@@ -197,127 +206,6 @@ impl KvMerger {
     }
 }
 
-/// Merging sets of `run` (ascending positions): scan from the last token back,
-/// joining while the cosine with the reference key exceeds `eps`.
-pub fn sets_of_run(
-    run: &[usize],
-    key: &dyn Fn(usize) -> Vec<f32>,
-    eps: f64,
-    anchor: bool,
-) -> Vec<Vec<usize>> {
-    let mut sets = Vec::new();
-    let mut cur = vec![*run.last().expect("non-empty run")];
-    let mut anchor_t = cur[0];
-    for w in run.windows(2).rev() {
-        let (t, nxt) = (w[0], w[1]);
-        let r = if anchor { anchor_t } else { nxt };
-        if cosine(&key(t), &key(r)) > eps {
-            cur.insert(0, t);
-        } else {
-            sets.push(std::mem::take(&mut cur));
-            cur = vec![t];
-            anchor_t = t;
-        }
-    }
-    sets.push(cur);
-    sets.reverse();
-    sets
-}
-
-impl KvMerger {
-    /// (k̂, v̂, bias) of one set.
-    fn merge(
-        &self,
-        ctx: &PrefillCtx,
-        g: usize,
-        s: &[usize],
-        a: &[f64],
-        rng: &mut SplitMix64,
-    ) -> (Vec<f32>, Vec<f32>, f32) {
-        let d = ctx.head_dim();
-        let p = match self.pivot {
-            Pivot::LastIndex => *s.last().unwrap(),
-            Pivot::Random => s[rng.below(s.len())],
-            Pivot::WithinSet => {
-                // attention each member receives from the set's own queries (full causal rows)
-                let mut sc = vec![0f64; s.len()];
-                for h in g * ctx.group()..(g + 1) * ctx.group() {
-                    let rows = ctx.attn_rows(h, s[0]..s[s.len() - 1] + 1);
-                    let pl = ctx.prompt_len();
-                    for (ri, q) in (s[0]..=s[s.len() - 1]).enumerate() {
-                        for (mi, &t) in s.iter().enumerate() {
-                            if q >= t {
-                                sc[mi] += rows[ri * pl + t] as f64;
-                            }
-                        }
-                    }
-                }
-                argmax_last(s, &sc)
-            }
-            Pivot::AttnArgmax => argmax_last(s, &s.iter().map(|&t| a[t]).collect::<Vec<_>>()),
-        };
-        let kp = ctx.key(g, p);
-        let dist: Vec<f64> = s
-            .iter()
-            .map(|&t| {
-                ctx.key(g, t)
-                    .iter()
-                    .zip(kp)
-                    .map(|(x, y)| ((x - y) as f64).powi(2))
-                    .sum::<f64>()
-            })
-            .collect();
-        let denom = 2f64.sqrt()
-            * if self.exclude_pivot {
-                (s.len() - 1).max(1)
-            } else {
-                s.len()
-            } as f64;
-        let sigma = match self.sigma {
-            Sigma::Fixed => self.sigma0,
-            Sigma::AdaptiveSq => dist.iter().sum::<f64>() / denom,
-            Sigma::Adaptive => dist.iter().map(|x| x.sqrt()).sum::<f64>() / denom,
-        };
-        let gw: Vec<f64> = if self.weighting == Weighting::Equal || sigma == 0.0 {
-            vec![1.0; s.len()]
-        } else {
-            dist.iter()
-                .map(|x| (-x / (2.0 * sigma * sigma)).exp())
-                .collect()
-        };
-        let z: f64 = gw.iter().sum();
-        let (mut k, mut v) = (vec![0f64; d], vec![0f64; d]);
-        for (&t, w) in s.iter().zip(&gw) {
-            for c in 0..d {
-                k[c] += w / z * ctx.key(g, t)[c] as f64;
-                v[c] += w / z * ctx.value(g, t)[c] as f64;
-            }
-        }
-        let n = s.len() as f64;
-        let (vs, bias) = match self.value_mode {
-            ValueMode::ScaleBySetSize => (n, 0.0),
-            ValueMode::LogcountBias => (1.0, n.ln() as f32),
-            ValueMode::Plain => (1.0, 0.0),
-        };
-        (
-            k.iter().map(|x| *x as f32).collect(),
-            v.iter().map(|x| (x * vs) as f32).collect(),
-            bias,
-        )
-    }
-}
-
-/// The member with the largest score; ties go to the larger position.
-fn argmax_last(s: &[usize], score: &[f64]) -> usize {
-    let mut best = 0;
-    for i in 1..s.len() {
-        if score[i] >= score[best] {
-            best = i;
-        }
-    }
-    s[best]
-}
-
 impl Policy for KvMerger {
     fn prefill(
         &self,
@@ -413,61 +301,4 @@ impl Policy for KvMerger {
         }
         Ok((caches, Box::new(AppendOnly)))
     }
-}
-
-/// Hard budget: from singletons, link adjacent same-run pairs by decreasing
-/// cosine (ties: larger position first) until `m` sets remain; if the runs
-/// alone exceed `m`, drop whole runs by increasing max accumulated attention.
-fn hard_sets(
-    runs: &[Vec<usize>],
-    key: &dyn Fn(usize) -> Vec<f32>,
-    m: usize,
-    a: &[f64],
-) -> Vec<Vec<usize>> {
-    let mut runs: Vec<Vec<usize>> = runs.to_vec();
-    if runs.len() > m {
-        let mut order: Vec<usize> = (0..runs.len()).collect();
-        let mx = |r: &Vec<usize>| r.iter().map(|&i| a[i]).fold(f64::MIN, f64::max);
-        order.sort_by(|&x, &y| cmp_f64(mx(&runs[x]), mx(&runs[y])).then(x.cmp(&y)));
-        let drop: std::collections::HashSet<usize> =
-            order.into_iter().take(runs.len() - m).collect();
-        runs = runs
-            .into_iter()
-            .enumerate()
-            .filter(|(i, _)| !drop.contains(i))
-            .map(|(_, r)| r)
-            .collect();
-        return runs;
-    }
-    // Candidate links (cos, position of the pair's second member, run, index in run).
-    let mut links: Vec<(f64, usize, usize, usize)> = Vec::new();
-    for (ri, r) in runs.iter().enumerate() {
-        for j in 0..r.len().saturating_sub(1) {
-            links.push((cosine(&key(r[j]), &key(r[j + 1])), r[j + 1], ri, j));
-        }
-    }
-    links.sort_by(|x, y| cmp_f64(y.0, x.0).then(y.1.cmp(&x.1)));
-    let total: usize = runs.iter().map(|r| r.len()).sum();
-    let need = total.saturating_sub(m);
-    let mut linked: Vec<Vec<bool>> = runs
-        .iter()
-        .map(|r| vec![false; r.len().saturating_sub(1)])
-        .collect();
-    for &(_, _, ri, j) in links.iter().take(need) {
-        linked[ri][j] = true;
-    }
-    let mut sets = Vec::new();
-    for (ri, r) in runs.iter().enumerate() {
-        let mut cur = vec![r[0]];
-        for j in 0..r.len() - 1 {
-            if linked[ri][j] {
-                cur.push(r[j + 1]);
-            } else {
-                sets.push(std::mem::take(&mut cur));
-                cur = vec![r[j + 1]];
-            }
-        }
-        sets.push(cur);
-    }
-    sets
 }
