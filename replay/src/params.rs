@@ -94,3 +94,32 @@ impl Params {
         }
     }
 }
+
+/// An enum for a `Choice` parameter: one variant per accepted word, and the
+/// `FromStr` through which [`Params::choice`] reads it. The words are the
+/// ones the parameter's [`ParamInfo`] lists.
+macro_rules! choice_enum {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident {
+            $($(#[$vmeta:meta])* $variant:ident = $word:literal,)+
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        $vis enum $name {
+            $($(#[$vmeta])* $variant,)+
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = ();
+            fn from_str(s: &str) -> Result<$name, ()> {
+                match s {
+                    $($word => Ok($name::$variant),)+
+                    _ => Err(()),
+                }
+            }
+        }
+    };
+}
+pub(crate) use choice_enum;

@@ -355,24 +355,13 @@ pub fn mean_rows<'a>(rows: impl Iterator<Item = &'a [f32]>) -> Vec<f32> {
     out
 }
 
-/// 1-D pooling along positions, kernel `k` (odd), stride 1, padding k/2.
-/// Max ignores the padding; average counts the zero padding (divides by k), as PyTorch does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Pool {
-    Max,
-    Avg,
-    None,
-}
-
-impl std::str::FromStr for Pool {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Pool, ()> {
-        match s {
-            "max" => Ok(Pool::Max),
-            "avg" => Ok(Pool::Avg),
-            "none" => Ok(Pool::None),
-            _ => Err(()),
-        }
+crate::params::choice_enum! {
+    /// 1-D pooling along positions, kernel `k` (odd), stride 1, padding k/2.
+    /// Max ignores the padding; average counts the zero padding (divides by k), as PyTorch does.
+    pub enum Pool {
+        Max = "max",
+        Avg = "avg",
+        None = "none",
     }
 }
 

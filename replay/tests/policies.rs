@@ -983,3 +983,30 @@ fn minicache_f32_norms_are_exact() {
         }
     }
 }
+
+/// The policies split into module directories keep their public paths
+/// (analysis calls `kvmerger::sets_of_run`).
+#[test]
+fn split_policies_keep_their_public_paths() {
+    use kvreplay_replay::policies::{d2o, ems, kvmerger, minicache};
+    let r = d2o::layer_ratio(0.25, 4, 100, 1000);
+    assert_eq!(
+        d2o::layer_counts(0.25, 4, 100, 1000, 0.75),
+        d2o::counts(r, 1000, 0.75)
+    );
+    let key = |_: usize| vec![1.0f32, 0.0];
+    assert_eq!(
+        kvmerger::sets_of_run(&[0, 1, 2], &key, 0.75, false),
+        vec![vec![0, 1, 2]]
+    );
+    let m: minicache::Merged = minicache::merge_token(&[1.0, 0.0], &[2.0, 0.0], 0.5);
+    assert_eq!(m.dist, Some(0.0));
+    let names = [
+        ems::INFO.name,
+        d2o::INFO.name,
+        kvmerger::INFO.name,
+        minicache::INFO.name,
+    ];
+    assert_eq!(names, ["ems", "d2o", "kvmerger", "minicache"]);
+    let _types: Option<(d2o::D2o, ems::Ems, kvmerger::KvMerger, minicache::MiniCache)> = None;
+}

@@ -17,7 +17,7 @@ use crate::cache::HeadCache;
 use crate::policy::{dot, PrefillCtx, StepCtx};
 use crate::scorer::{Scorer, Selected, StepScorer, Unit};
 use crate::select::{Protect, Tie};
-use crate::params::{Kind, ParamInfo, Params};
+use crate::params::{choice_enum, Kind, ParamInfo, Params};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
@@ -45,23 +45,12 @@ pub static INFO: PolicyInfo = PolicyInfo {
     build: Build::Scorer(|p| Ok(Arc::new(AhaKv::from_params(p)?))),
 };
 
-/// Reduction of a group's SG probabilities.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Agg {
-    Mean,
-    Sum,
-    Max,
-}
-
-impl std::str::FromStr for Agg {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Agg, ()> {
-        match s {
-            "mean" => Ok(Agg::Mean),
-            "sum" => Ok(Agg::Sum),
-            "max" => Ok(Agg::Max),
-            _ => Err(()),
-        }
+choice_enum! {
+    /// Reduction of a group's SG probabilities.
+    pub enum Agg {
+        Mean = "mean",
+        Sum = "sum",
+        Max = "max",
     }
 }
 

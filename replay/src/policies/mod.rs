@@ -1,10 +1,11 @@
-//! The policy registry: one file per policy, one entry per policy here.
+//! The policy registry: one module per policy, one entry per policy here.
 //!
-//! Adding a policy: write `policies/NAME.rs` with its `INFO` (name, paper,
-//! parameters, capabilities, the name of its known-answer test, how to build
-//! it) and add `&NAME::INFO` to [`REGISTRY`]. `kvreplay policies`, the spec
-//! parser, the sweep, the golden test and the checks of README/SEMANTICS read
-//! the registry; a test fails when the known-answer test it names is missing.
+//! Adding a policy: write `policies/NAME.rs` (or `policies/NAME/mod.rs` with
+//! its parts beside it) with its `INFO` (name, paper, parameters,
+//! capabilities, the name of its known-answer test, how to build it) and add
+//! `&NAME::INFO` to [`REGISTRY`]. `kvreplay policies`, the spec parser, the
+//! sweep, the golden test and the checks of README/SEMANTICS read the
+//! registry; a test fails when the known-answer test it names is missing.
 
 pub use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 
@@ -103,4 +104,27 @@ pub fn listing() -> String {
     }
     out.push_str("Spec syntax: NAME, NAME:key=value,key=value, WRAPPER:scorer=SCORER (e.g. adakv:scorer=tova), or BASE+WRAPPER (e.g. snapkv:w=16+quant:bits=2).\n");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{Kind, PolicySpec};
+
+    /// Every word a `Choice` parameter lists is one its policy reads (a typed
+    /// choice whose `FromStr` missed a word would refuse it here).
+    #[test]
+    fn every_listed_choice_builds() {
+        for info in REGISTRY {
+            for p in info.params {
+                if let Kind::Choice(words) = p.kind {
+                    for w in words {
+                        let spec = format!("{}:{}={w}", info.name, p.name);
+                        let built = PolicySpec::parse(&spec).and_then(|s| s.build());
+                        assert!(built.is_ok(), "{spec}: {:?}", built.err());
+                    }
+                }
+            }
+        }
+    }
 }

@@ -18,14 +18,24 @@
 //! m = B − |R| − |H| entries: the ε result if it fits, else adjacent pairs
 //! linked by decreasing cosine until m sets remain, else whole runs dropped by
 //! increasing max a.
+//!
+//! Files: `sets` (the merging sets of a run, ε-linked or under the hard
+//! budget), `merge` (one set collapsed into an entry).
+
+mod merge;
+mod sets;
 
 use std::sync::Arc;
 
 use crate::info::{Build, Caps, Family, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
-use crate::policy::{cosine, AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
-use crate::params::{Kind, ParamInfo, Params};
+use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
+use crate::select::cmp_f64;
+use crate::params::{choice_enum, Kind, ParamInfo, Params};
 use crate::ReplayError;
+
+use sets::hard_sets;
+pub use sets::sets_of_run;
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "kvmerger",
@@ -55,22 +65,96 @@ pub static INFO: PolicyInfo = PolicyInfo {
     }),
 };
 
+choice_enum! {
+    /// `budget_mode`: whether the budget bounds the prompt entries.
+    pub enum BudgetMode {
+        /// At most B prompt entries (the spec's extension for matched memory).
+        Hard = "hard",
+        /// The paper: the budget is ignored.
+        Soft = "soft",
+    }
+}
+
+choice_enum! {
+    /// `sigma`: the Gaussian kernel's width.
+    pub enum Sigma {
+        /// Σ‖k_t − k_p‖ / (√2·|S|).
+        Adaptive = "adaptive",
+        /// Σ‖k_t − k_p‖² / (√2·|S|).
+        AdaptiveSq = "adaptive_sq",
+        /// `sigma0`.
+        Fixed = "fixed",
+    }
+}
+
+choice_enum! {
+    /// `pivot`: the member the kernel is centred on.
+    pub enum Pivot {
+        /// The largest accumulated attention (tie: larger position).
+        AttnArgmax = "attn_argmax",
+        /// The largest attention from the set's own queries.
+        WithinSet = "within_set",
+        LastIndex = "last_index",
+        Random = "random",
+    }
+}
+
+choice_enum! {
+    /// `weighting`: the members' weights.
+    pub enum Weighting {
+        Gaussian = "gaussian",
+        Equal = "equal",
+    }
+}
+
+choice_enum! {
+    /// `value_mode`: how a merged value stands for its |S| members.
+    pub enum ValueMode {
+        /// v̂ = |S|·Σ w v (paper).
+        ScaleBySetSize = "scale_by_set_size",
+        /// v̂ = Σ w v with an attention bias ln|S|.
+        LogcountBias = "logcount_bias",
+        /// v̂ = Σ w v.
+        Plain = "plain",
+    }
+}
+
+choice_enum! {
+    /// `linkage`: the key a scanned token is compared with.
+    pub enum Linkage {
+        /// The next token.
+        Chain = "chain",
+        /// The set's first-scanned token.
+        Anchor = "anchor",
+    }
+}
+
+choice_enum! {
+    /// `adjacency`: what makes pool tokens one run.
+    pub enum Adjacency {
+        /// Consecutive positions (a protected token splits a run).
+        Positions = "positions",
+        /// The whole pool, in order.
+        PoolOrder = "pool_order",
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct KvMerger {
     pub eps: f64,
     pub r_rec: f64,
     pub r_hh: f64,
     pub beta: f64,
-    pub hard: bool,
-    pub sigma: String,
+    pub budget_mode: BudgetMode,
+    pub sigma: Sigma,
     pub sigma0: f64,
     pub exclude_pivot: bool,
-    pub pivot: String,
+    pub pivot: Pivot,
     pub seed: u64,
-    pub equal_weights: bool,
-    pub value_mode: String,
-    pub anchor: bool,
-    pub pool_order: bool,
+    pub weighting: Weighting,
+    pub value_mode: ValueMode,
+    pub linkage: Linkage,
+    pub adjacency: Adjacency,
     pub n_sink: usize,
 }
 
@@ -103,140 +187,23 @@ impl KvMerger {
             r_rec: frac("recent_ratio")?,
             r_hh: frac("hh_ratio")?,
             beta,
-            hard: p.word("budget_mode") == "hard",
-            sigma: p.word("sigma").into(),
+            budget_mode: p.choice("budget_mode")?,
+            sigma: p.choice("sigma")?,
             sigma0: p.float("sigma0")?,
             exclude_pivot: p.bool("exclude_pivot_in_sigma")?,
-            pivot: p.word("pivot").into(),
+            pivot: p.choice("pivot")?,
             seed: p.int("seed")? as u64,
-            equal_weights: p.word("weighting") == "equal",
-            value_mode: p.word("value_mode").into(),
-            anchor: p.word("linkage") == "anchor",
-            pool_order: p.word("adjacency") == "pool_order",
+            weighting: p.choice("weighting")?,
+            value_mode: p.choice("value_mode")?,
+            linkage: p.choice("linkage")?,
+            adjacency: p.choice("adjacency")?,
             n_sink: p.int("n_sink")?,
         })
     }
-}
 
-/// Merging sets of `run` (ascending positions): scan from the last token back,
-/// joining while the cosine with the reference key exceeds `eps`.
-pub fn sets_of_run(
-    run: &[usize],
-    key: &dyn Fn(usize) -> Vec<f32>,
-    eps: f64,
-    anchor: bool,
-) -> Vec<Vec<usize>> {
-    let mut sets = Vec::new();
-    let mut cur = vec![*run.last().expect("non-empty run")];
-    let mut anchor_t = cur[0];
-    for w in run.windows(2).rev() {
-        let (t, nxt) = (w[0], w[1]);
-        let r = if anchor { anchor_t } else { nxt };
-        if cosine(&key(t), &key(r)) > eps {
-            cur.insert(0, t);
-        } else {
-            sets.push(std::mem::take(&mut cur));
-            cur = vec![t];
-            anchor_t = t;
-        }
+    fn hard(&self) -> bool {
+        self.budget_mode == BudgetMode::Hard
     }
-    sets.push(cur);
-    sets.reverse();
-    sets
-}
-
-impl KvMerger {
-    /// (k̂, v̂, bias) of one set.
-    fn merge(
-        &self,
-        ctx: &PrefillCtx,
-        g: usize,
-        s: &[usize],
-        a: &[f64],
-        rng: &mut SplitMix64,
-    ) -> (Vec<f32>, Vec<f32>, f32) {
-        let d = ctx.head_dim();
-        let p = match self.pivot.as_str() {
-            "last_index" => *s.last().unwrap(),
-            "random" => s[rng.below(s.len())],
-            "within_set" => {
-                // attention each member receives from the set's own queries (full causal rows)
-                let mut sc = vec![0f64; s.len()];
-                for h in g * ctx.group()..(g + 1) * ctx.group() {
-                    let rows = ctx.attn_rows(h, s[0]..s[s.len() - 1] + 1);
-                    let pl = ctx.prompt_len();
-                    for (ri, q) in (s[0]..=s[s.len() - 1]).enumerate() {
-                        for (mi, &t) in s.iter().enumerate() {
-                            if q >= t {
-                                sc[mi] += rows[ri * pl + t] as f64;
-                            }
-                        }
-                    }
-                }
-                argmax_last(s, &sc)
-            }
-            _ => argmax_last(s, &s.iter().map(|&t| a[t]).collect::<Vec<_>>()),
-        };
-        let kp = ctx.key(g, p);
-        let dist: Vec<f64> = s
-            .iter()
-            .map(|&t| {
-                ctx.key(g, t)
-                    .iter()
-                    .zip(kp)
-                    .map(|(x, y)| ((x - y) as f64).powi(2))
-                    .sum::<f64>()
-            })
-            .collect();
-        let denom = 2f64.sqrt()
-            * if self.exclude_pivot {
-                (s.len() - 1).max(1)
-            } else {
-                s.len()
-            } as f64;
-        let sigma = match self.sigma.as_str() {
-            "fixed" => self.sigma0,
-            "adaptive_sq" => dist.iter().sum::<f64>() / denom,
-            _ => dist.iter().map(|x| x.sqrt()).sum::<f64>() / denom,
-        };
-        let gw: Vec<f64> = if self.equal_weights || sigma == 0.0 {
-            vec![1.0; s.len()]
-        } else {
-            dist.iter()
-                .map(|x| (-x / (2.0 * sigma * sigma)).exp())
-                .collect()
-        };
-        let z: f64 = gw.iter().sum();
-        let (mut k, mut v) = (vec![0f64; d], vec![0f64; d]);
-        for (&t, w) in s.iter().zip(&gw) {
-            for c in 0..d {
-                k[c] += w / z * ctx.key(g, t)[c] as f64;
-                v[c] += w / z * ctx.value(g, t)[c] as f64;
-            }
-        }
-        let n = s.len() as f64;
-        let (vs, bias) = match self.value_mode.as_str() {
-            "scale_by_set_size" => (n, 0.0),
-            "logcount_bias" => (1.0, n.ln() as f32),
-            _ => (1.0, 0.0),
-        };
-        (
-            k.iter().map(|x| *x as f32).collect(),
-            v.iter().map(|x| (x * vs) as f32).collect(),
-            bias,
-        )
-    }
-}
-
-/// The member with the largest score; ties go to the larger position.
-fn argmax_last(s: &[usize], score: &[f64]) -> usize {
-    let mut best = 0;
-    for i in 1..s.len() {
-        if score[i] >= score[best] {
-            best = i;
-        }
-    }
-    s[best]
 }
 
 impl Policy for KvMerger {
@@ -245,10 +212,10 @@ impl Policy for KvMerger {
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
         let (t, b, gs, d) = (ctx.prompt_len(), ctx.budget, ctx.group(), ctx.head_dim());
-        if self.hard && t <= b {
+        if self.hard() && t <= b {
             return Ok((ctx.full_caches(), Box::new(AppendOnly)));
         }
-        let (n_rec, n_hh) = if self.hard {
+        let (n_rec, n_hh) = if self.hard() {
             let r = ((b as f64 * self.r_rec / self.beta).floor() as usize).min(t);
             (
                 r,
@@ -272,16 +239,12 @@ impl Policy for KvMerger {
             (t - n_rec..t).for_each(|i| protected[i] = true);
             (0..sinks).for_each(|i| protected[i] = true);
             let mut cand: Vec<usize> = (sinks..t - n_rec).collect();
-            cand.sort_by(|&x, &y| {
-                a[y].partial_cmp(&a[x])
-                    .unwrap_or(std::cmp::Ordering::Equal)
-                    .then(x.cmp(&y))
-            });
+            cand.sort_by(|&x, &y| cmp_f64(a[y], a[x]).then(x.cmp(&y)));
             for &i in cand.iter().take(n_hh.saturating_sub(sinks)) {
                 protected[i] = true;
             }
             let n_prot = protected.iter().filter(|x| **x).count();
-            if self.hard && n_prot > b {
+            if self.hard() && n_prot > b {
                 return Err(ReplayError::BadParam {
                     policy: "kvmerger".into(),
                     key: "recent_ratio".into(),
@@ -292,18 +255,19 @@ impl Policy for KvMerger {
             let pool: Vec<usize> = (0..t).filter(|&i| !protected[i]).collect();
             // Runs of the pool: consecutive original positions (or the whole pool in pool order).
             let mut runs: Vec<Vec<usize>> = Vec::new();
+            let pool_order = self.adjacency == Adjacency::PoolOrder;
             for &i in &pool {
                 match runs.last_mut() {
-                    Some(r) if self.pool_order || *r.last().unwrap() + 1 == i => r.push(i),
+                    Some(r) if pool_order || *r.last().unwrap() + 1 == i => r.push(i),
                     _ => runs.push(vec![i]),
                 }
             }
             let key = |i: usize| ctx.key(g, i).to_vec();
             let mut sets: Vec<Vec<usize>> = runs
                 .iter()
-                .flat_map(|r| sets_of_run(r, &key, self.eps, self.anchor))
+                .flat_map(|r| sets_of_run(r, &key, self.eps, self.linkage == Linkage::Anchor))
                 .collect();
-            if self.hard {
+            if self.hard() {
                 let m = b - n_prot;
                 if sets.len() > m {
                     sets = hard_sets(&runs, &key, m, &a);
@@ -337,70 +301,4 @@ impl Policy for KvMerger {
         }
         Ok((caches, Box::new(AppendOnly)))
     }
-}
-
-/// Hard budget: from singletons, link adjacent same-run pairs by decreasing
-/// cosine (ties: larger position first) until `m` sets remain; if the runs
-/// alone exceed `m`, drop whole runs by increasing max accumulated attention.
-fn hard_sets(
-    runs: &[Vec<usize>],
-    key: &dyn Fn(usize) -> Vec<f32>,
-    m: usize,
-    a: &[f64],
-) -> Vec<Vec<usize>> {
-    let mut runs: Vec<Vec<usize>> = runs.to_vec();
-    if runs.len() > m {
-        let mut order: Vec<usize> = (0..runs.len()).collect();
-        let mx = |r: &Vec<usize>| r.iter().map(|&i| a[i]).fold(f64::MIN, f64::max);
-        order.sort_by(|&x, &y| {
-            mx(&runs[x])
-                .partial_cmp(&mx(&runs[y]))
-                .unwrap_or(std::cmp::Ordering::Equal)
-                .then(x.cmp(&y))
-        });
-        let drop: std::collections::HashSet<usize> =
-            order.into_iter().take(runs.len() - m).collect();
-        runs = runs
-            .into_iter()
-            .enumerate()
-            .filter(|(i, _)| !drop.contains(i))
-            .map(|(_, r)| r)
-            .collect();
-        return runs;
-    }
-    // Candidate links (cos, position of the pair's second member, run, index in run).
-    let mut links: Vec<(f64, usize, usize, usize)> = Vec::new();
-    for (ri, r) in runs.iter().enumerate() {
-        for j in 0..r.len().saturating_sub(1) {
-            links.push((cosine(&key(r[j]), &key(r[j + 1])), r[j + 1], ri, j));
-        }
-    }
-    links.sort_by(|x, y| {
-        y.0.partial_cmp(&x.0)
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(y.1.cmp(&x.1))
-    });
-    let total: usize = runs.iter().map(|r| r.len()).sum();
-    let need = total.saturating_sub(m);
-    let mut linked: Vec<Vec<bool>> = runs
-        .iter()
-        .map(|r| vec![false; r.len().saturating_sub(1)])
-        .collect();
-    for &(_, _, ri, j) in links.iter().take(need) {
-        linked[ri][j] = true;
-    }
-    let mut sets = Vec::new();
-    for (ri, r) in runs.iter().enumerate() {
-        let mut cur = vec![r[0]];
-        for j in 0..r.len() - 1 {
-            if linked[ri][j] {
-                cur.push(r[j + 1]);
-            } else {
-                sets.push(std::mem::take(&mut cur));
-                cur = vec![r[j + 1]];
-            }
-        }
-        sets.push(cur);
-    }
-    sets
 }

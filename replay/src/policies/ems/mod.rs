@@ -1,0 +1,278 @@
+//! EMS: evict-then-merge with a global-local score, head-wise.
+//!
+//! Rule (docs/methods/ems.md, spec §2): per head, score tokens by
+//! s = max(α·s_glo, s_loc) (accumulated attention over all prompt queries,
+//! rescaled to the mean of the last-L_win-queries attention s_loc). After
+//! prefill the older tokens split by the mean-pooled score into N_imp class
+//! centres, N_tbm to-be-merged tokens and the evicted rest; the last L_win are
+//! a window. Each to-be-merged token joins the centre with the largest
+//! cos⁺(keys)·cos⁺(values) if that reaches τ, else it is evicted (zero class).
+//! A centre stores one score-weighted unit key direction (in raw, pre-RoPE
+//! space) and a weighted value; every member keeps a slot with its own key
+//! norm, re-rotated at its own position when attended (about γ·N_budget slots
+//! attend, N_budget entries are stored). Each decode step the token leaving the
+//! window becomes a centre, the least important centre is merged into its most
+//! similar centre (or freed), and the slot table is capped at γ·N_budget.
+//!
+//! Files: `entry` (entries, slots and a head's table, and how a head is
+//! expanded into the engine's cache), `prefill` (scores and the first
+//! classification into centres, to-be-merged and evicted tokens), `decode`
+//! (the per-step update).
+
+mod decode;
+mod entry;
+mod prefill;
+
+use std::sync::Arc;
+
+use kvreplay_kernels::cpu::RopeCache;
+
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::cache::HeadCache;
+use crate::policy::{DecodeState, Policy, PrefillCtx};
+use crate::params::{choice_enum, Kind, ParamInfo, Params};
+use crate::ReplayError;
+
+use decode::Decode;
+
+pub static INFO: PolicyInfo = PolicyInfo {
+    name: "ems",
+    summary: "head-wise evict-then-merge: global-local scores pick class centres; similar tokens merge into them, the rest are evicted",
+    paper: "EMS: Adaptive Evict-then-Merge Strategy for Head-wise KV Cache Compression Based on Global-Local Importance (Li et al., arXiv 2412.08521)",
+    params: &[
+        ParamInfo { name: "window", default: "auto", kind: Kind::IntOr("auto"), help: "L_win: window kept and used for s_loc; auto = min(32, ⌊B/2⌋) (paper 32, requires B > L_win)" },
+        ParamInfo { name: "tau", default: "0.6", kind: Kind::Float, help: "merge threshold on cos⁺·cos⁺ (≥ 1 evicts every candidate)" },
+        ParamInfo { name: "gamma", default: "4", kind: Kind::FloatOr("inf"), help: "magnification: slots ≤ γ·N_budget, to-be-merged N_tbm = ⌊(γ−1)·N_budget⌋" },
+        ParamInfo { name: "kernel", default: "7", kind: Kind::Int, help: "mean-pool width of the prefill ranking (odd)" },
+        ParamInfo { name: "sim_pos", default: "false", kind: Kind::Bool, help: "similarity on post-RoPE keys (\"w. pos\") instead of raw keys" },
+        ParamInfo { name: "gqa_mode", default: "per_query_head", kind: Kind::Choice(&["per_query_head", "per_kv_head"]), help: "one cache per query head (paper) or per KV head with group-mean attention" },
+        ParamInfo { name: "merge_space", default: "raw", kind: Kind::Choice(&["raw", "post_rope"]), help: "merge un-rotated keys and re-rotate each member, or merge the captured keys" },
+        ParamInfo { name: "demote_rank", default: "cluster_sum", kind: Kind::Choice(&["cluster_sum", "anchor_slot"]), help: "which centre is demoted at decode" },
+        ParamInfo { name: "score", default: "global_local", kind: Kind::Choice(&["global_local", "global", "local"]), help: "Table 4 ablation of the score" },
+        ParamInfo { name: "zero_class", default: "free", kind: Kind::Choice(&["free", "literal_zero"]), help: "evicted to-be-merged tokens: freed, or kept as zero key/value slots that still take softmax mass" },
+        ParamInfo { name: "similarity", default: "key_value", kind: Kind::Choice(&["key_value", "key", "value"]), help: "Table 8 ablation of the redundancy measure" },
+    ],
+    caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, per_query_head: true, holds_capacity: true, exact_when_covering: false, ..Caps::EVICT_PREFILL },
+    test: "ems_merges_a_scaled_copy_of_a_centre",
+    build: Build::Policy(|p| {
+        Ok(Arc::new(Ems::from_params(p)?))
+    }),
+};
+
+choice_enum! {
+    /// `gqa_mode`: how many caches a layer keeps.
+    pub enum GqaMode {
+        /// One per query head (the paper).
+        PerQueryHead = "per_query_head",
+        /// One per KV head, scored with the group's mean attention.
+        PerKvHead = "per_kv_head",
+    }
+}
+
+choice_enum! {
+    /// `merge_space`: the space keys are merged in.
+    pub enum MergeSpace {
+        /// Un-rotated keys; each member is re-rotated at its own position.
+        Raw = "raw",
+        /// The captured (post-RoPE) keys.
+        PostRope = "post_rope",
+    }
+}
+
+choice_enum! {
+    /// `demote_rank`: how the centre demoted at decode is ranked.
+    pub enum DemoteRank {
+        /// By the sum of its slots' scores.
+        ClusterSum = "cluster_sum",
+        /// By the score of the slot at its anchor.
+        AnchorSlot = "anchor_slot",
+    }
+}
+
+choice_enum! {
+    /// `score`: Table 4's ablation of the token score.
+    pub enum Score {
+        /// max(α·s_glo, s_loc).
+        GlobalLocal = "global_local",
+        Global = "global",
+        Local = "local",
+    }
+}
+
+choice_enum! {
+    /// `similarity`: Table 8's ablation of the redundancy measure.
+    pub enum Similarity {
+        /// cos⁺(keys)·cos⁺(values).
+        KeyValue = "key_value",
+        Key = "key",
+        Value = "value",
+    }
+}
+
+impl Similarity {
+    /// The redundancy from the key and value cos⁺ (each evaluated only if used).
+    fn of(self, key: impl Fn() -> f64, value: impl Fn() -> f64) -> f64 {
+        match self {
+            Similarity::Key => key(),
+            Similarity::Value => value(),
+            Similarity::KeyValue => key() * value(),
+        }
+    }
+    fn uses_keys(self) -> bool {
+        self != Similarity::Value
+    }
+    fn uses_values(self) -> bool {
+        self != Similarity::Key
+    }
+}
+
+choice_enum! {
+    /// `zero_class`: what becomes of to-be-merged tokens no centre takes.
+    pub enum ZeroClass {
+        /// Evicted.
+        Free = "free",
+        /// Kept as zero key/value slots (ems.md A3) that still take softmax mass.
+        LiteralZero = "literal_zero",
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Ems {
+    /// L_win; None = auto, min(32, ⌊B/2⌋).
+    pub window: Option<usize>,
+    pub tau: f64,
+    /// None = infinite.
+    pub gamma: Option<f64>,
+    pub kernel: usize,
+    /// Similarity on post-RoPE keys (always so with `merge_space=post_rope`).
+    pub sim_pos: bool,
+    pub gqa_mode: GqaMode,
+    pub merge_space: MergeSpace,
+    pub demote_rank: DemoteRank,
+    pub score: Score,
+    pub similarity: Similarity,
+    pub zero_class: ZeroClass,
+}
+
+impl Ems {
+    fn from_params(p: &Params) -> Result<Ems, ReplayError> {
+        let bad = |k: &str, v: String, m: &str| ReplayError::BadParam {
+            policy: "ems".into(),
+            key: k.into(),
+            value: v,
+            msg: m.into(),
+        };
+        let gamma = match p.word("gamma") {
+            "inf" => None,
+            _ => Some(p.float("gamma")?),
+        };
+        if gamma.is_some_and(|g| g < 1.0) {
+            return Err(bad("gamma", p.word("gamma").into(), "must be at least 1"));
+        }
+        let kernel = p.int("kernel")?;
+        if kernel % 2 == 0 {
+            return Err(bad(
+                "kernel",
+                kernel.to_string(),
+                "the pooling kernel must be odd",
+            ));
+        }
+        let merge_space: MergeSpace = p.choice("merge_space")?;
+        Ok(Ems {
+            window: if p.word("window") == "auto" {
+                None
+            } else {
+                Some(p.int("window")?)
+            },
+            tau: p.float("tau")?,
+            gamma,
+            kernel,
+            // with post-RoPE merging there are no raw keys to compare: similarity is positional
+            sim_pos: p.bool("sim_pos")? || merge_space == MergeSpace::PostRope,
+            gqa_mode: p.choice("gqa_mode")?,
+            merge_space,
+            demote_rank: p.choice("demote_rank")?,
+            score: p.choice("score")?,
+            similarity: p.choice("similarity")?,
+            zero_class: p.choice("zero_class")?,
+        })
+    }
+
+    fn per_query_head(&self) -> bool {
+        self.gqa_mode == GqaMode::PerQueryHead
+    }
+
+    fn raw_space(&self) -> bool {
+        self.merge_space == MergeSpace::Raw
+    }
+
+    fn window(&self, b: usize) -> usize {
+        self.window.unwrap_or(32.min(b / 2))
+    }
+}
+
+/// One run's sizes: N_budget and its split into N_imp centres and the L_win
+/// window, the N_tbm to-be-merged tokens, the slot cap S_max.
+struct Shape {
+    d: usize,
+    n_budget: usize,
+    n_imp: usize,
+    n_tbm: usize,
+    s_max: usize,
+    l_win: usize,
+    rope: Option<RopeCache>,
+}
+
+impl Ems {
+    fn combine(&self, alpha: f64, glo: f64, loc: f64) -> f64 {
+        match self.score {
+            Score::Global => glo,
+            Score::Local => loc,
+            Score::GlobalLocal => (alpha * glo).max(loc),
+        }
+    }
+}
+
+impl Policy for Ems {
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+        let (b, d) = (ctx.budget, ctx.head_dim());
+        let l_win = self.window(b);
+        if b <= l_win {
+            return Err(ReplayError::BadParam {
+                policy: "ems".into(),
+                key: "window".into(),
+                value: l_win.to_string(),
+                msg: format!("N_budget {b} must exceed the window L_win = {l_win}; lower `window` or raise the budget"),
+            });
+        }
+        if self.raw_space() && ctx.rope().is_none() {
+            return Err(ReplayError::BadParam {
+                policy: "ems".into(),
+                key: "merge_space".into(),
+                value: "raw".into(),
+                msg:
+                    "needs the trace's RoPE parameters to un-rotate keys; use merge_space=post_rope"
+                        .into(),
+            });
+        }
+        let n_tbm = match self.gamma {
+            None => usize::MAX / 4,
+            Some(g) => ((g - 1.0) * b as f64).floor() as usize,
+        };
+        let sh = Shape {
+            d,
+            n_budget: b,
+            n_imp: b - l_win,
+            n_tbm,
+            s_max: b.saturating_add(n_tbm),
+            l_win,
+            rope: ctx.rope().map(RopeCache::new),
+        };
+        let mut states = self.prefill_states(ctx, &sh);
+        let caches = states.iter_mut().map(|st| self.expand(st, &sh)).collect();
+        Ok((caches, Box::new(Decode::new(self.clone(), sh, states))))
+    }
+}

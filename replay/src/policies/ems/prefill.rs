@@ -1,0 +1,253 @@
+//! EMS at prefill: per-head global and local scores, then each head's
+//! classification into class centres (with the to-be-merged tokens folded in),
+//! the window and the evicted rest.
+
+use kvreplay_kernels::cpu::l2_norm;
+
+use super::entry::{unit, Entry, HeadState, Slot, EPS};
+use super::{Ems, Shape, ZeroClass};
+use crate::policy::{pool1d, Pool, PrefillCtx};
+use crate::select::cmp_f32;
+
+/// (s_glo, s_loc) of one query head over the prompt positions.
+type Scores = (Vec<f64>, Vec<f64>);
+
+/// Memo key: every query head's global and local scores for a window of `lw` rows.
+#[derive(Debug, PartialEq)]
+struct GlobalLocal {
+    lw: usize,
+}
+impl crate::memo::MemoKey for GlobalLocal {
+    type Value = Vec<Scores>;
+}
+
+impl Ems {
+    /// Every cache's state after prefill: scores per query head (column sums
+    /// and last-window column sums), each cache scoring with the mean of its
+    /// query heads' scores.
+    pub(super) fn prefill_states(&self, ctx: &PrefillCtx, sh: &Shape) -> Vec<HeadState> {
+        let n = ctx.prompt_len();
+        let lw = sh.l_win.min(n);
+        // Budget-independent for a given window: computed once per trace and layer.
+        let per_head = ctx.memo(GlobalLocal { lw }, || {
+            (0..ctx.n_heads())
+                .map(|h| {
+                    let glo: Vec<f64> = ctx.colsum(h).iter().map(|x| *x as f64).collect();
+                    let rows = ctx.attn_rows(h, n - lw..n);
+                    let mut loc = vec![0f64; n];
+                    for row in rows.chunks_exact(n) {
+                        loc.iter_mut().zip(row).for_each(|(a, x)| *a += *x as f64);
+                    }
+                    (glo, loc)
+                })
+                .collect::<Vec<Scores>>()
+        });
+        // Each cache scores with the mean of its query heads' scores (one head per
+        // cache with per_query_head, the group's mean with per_kv_head).
+        let mean_of = |heads: std::ops::Range<usize>, pick: fn(&Scores) -> &Vec<f64>| -> Vec<f64> {
+            let k = heads.len() as f64;
+            let mut out = vec![0f64; n];
+            for h in heads {
+                out.iter_mut()
+                    .zip(pick(&per_head[h]))
+                    .for_each(|(o, v)| *o += v / k);
+            }
+            out
+        };
+        ctx.cache_units(self.per_query_head())
+            .into_iter()
+            .map(|(g, heads)| {
+                self.build(
+                    ctx,
+                    g,
+                    &mean_of(heads.clone(), |x| &x.0),
+                    &mean_of(heads, |x| &x.1),
+                    sh,
+                )
+            })
+            .collect()
+    }
+
+    /// Build one head's state after prefill. `g` is the KV head; `s_glo`,
+    /// `s_loc` are this head's scores over prompt positions.
+    fn build(
+        &self,
+        ctx: &PrefillCtx,
+        g: usize,
+        s_glo: &[f64],
+        s_loc: &[f64],
+        sh: &Shape,
+    ) -> HeadState {
+        let n = ctx.prompt_len();
+        let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+        let alpha = mean(s_loc) / mean(s_glo).max(1e-30);
+        let s: Vec<f64> = (0..n)
+            .map(|j| self.combine(alpha, s_glo[j], s_loc[j]))
+            .collect();
+        let k_tilde: Vec<Vec<f32>> = (0..n)
+            .map(|j| self.key_space(ctx.key(g, j), j, &sh.rope))
+            .collect();
+        let mut st = HeadState {
+            entries: Vec::new(),
+            slots: Vec::new(),
+            loc_counter: 0,
+        };
+        let add_entry = |st: &mut HeadState,
+                         dir: Vec<f32>,
+                         val: Vec<f32>,
+                         window: bool,
+                         anchor: usize,
+                         members: &[usize]| {
+            let id = st.entries.len();
+            let mut e = Entry::new(dir, val, window, anchor, false);
+            e.refresh(self, &sh.rope);
+            st.entries.push(Some(e));
+            for &j in members {
+                st.slots.push(Slot {
+                    pos: j,
+                    entry: id,
+                    knorm: l2_norm(ctx.key(g, j)) as f32,
+                    s_glo: s_glo[j],
+                    s_loc_past: s_loc[j],
+                    s_loc_cur: 0.0,
+                    key: Vec::new(),
+                });
+            }
+        };
+        let singleton = |j: usize| unit(&k_tilde[j].iter().map(|x| *x as f64).collect::<Vec<_>>());
+        let lw = sh.l_win.min(n);
+        if n <= sh.n_budget {
+            for j in 0..n {
+                add_entry(
+                    &mut st,
+                    singleton(j),
+                    ctx.value(g, j).to_vec(),
+                    j >= n - lw,
+                    j,
+                    &[j],
+                );
+            }
+        } else {
+            let c_len = n - lw;
+            let pooled = pool1d(
+                &s[..c_len].iter().map(|x| *x as f32).collect::<Vec<_>>(),
+                self.kernel,
+                Pool::Avg,
+            );
+            let mut order: Vec<usize> = (0..c_len).collect();
+            order.sort_by(|&a, &b| cmp_f32(pooled[b], pooled[a]).then(a.cmp(&b)));
+            let mut imp: Vec<usize> = order[..sh.n_imp.min(c_len)].to_vec();
+            imp.sort_unstable();
+            let tbm_n = sh.n_tbm.min(c_len - imp.len());
+            let tbm = &order[imp.len()..imp.len() + tbm_n];
+            // Similarity vectors and values, normalised once: cos⁺ becomes a clamped dot product.
+            let unit32 = |x: &[f32]| -> Vec<f32> {
+                let n = l2_norm(x) + EPS;
+                x.iter().map(|v| (*v as f64 / n) as f32).collect()
+            };
+            let ksim: Vec<Vec<f32>> = (0..n)
+                .map(|j| {
+                    unit32(if self.sim_pos {
+                        ctx.key(g, j)
+                    } else {
+                        &k_tilde[j]
+                    })
+                })
+                .collect();
+            let vsim: Vec<Vec<f32>> = (0..n).map(|j| unit32(ctx.value(g, j))).collect();
+            // cos⁺ of every (to-be-merged, centre) pair at once: (|tbm|, |imp|)
+            let nc = imp.len();
+            let pairs = |v: &[Vec<f32>], used: bool| -> Vec<f32> {
+                if !used || self.tau >= 1.0 {
+                    return Vec::new();
+                }
+                let rows = |idx: &[usize]| -> Vec<f32> {
+                    idx.iter().flat_map(|&j| v[j].iter().copied()).collect()
+                };
+                let mut out = vec![0f32; tbm.len() * nc];
+                kvreplay_kernels::cpu::dot_rows(&rows(tbm), &rows(&imp), sh.d, &mut out);
+                out
+            };
+            let kdot = pairs(&ksim, self.similarity.uses_keys());
+            let vdot = pairs(&vsim, self.similarity.uses_values());
+            let redundancy = |ti: usize, ci: usize| -> f64 {
+                let kc = || (kdot[ti * nc + ci] as f64).max(0.0);
+                let vc = || (vdot[ti * nc + ci] as f64).max(0.0);
+                self.similarity.of(kc, vc)
+            };
+            let mut members: Vec<Vec<usize>> = imp.iter().map(|&c| vec![c]).collect();
+            let mut zero_members: Vec<usize> = Vec::new();
+            // dest_i = the most redundant centre if R >= τ and τ < 1, else the zero class
+            for (ti, &i) in tbm.iter().enumerate() {
+                let mut best = (0usize, -1.0f64);
+                if self.tau < 1.0 {
+                    for ci in 0..imp.len() {
+                        let r = redundancy(ti, ci);
+                        if r > best.1 {
+                            best = (ci, r);
+                        }
+                    }
+                }
+                if self.tau < 1.0 && best.1 >= self.tau {
+                    members[best.0].push(i);
+                } else if self.zero_class == ZeroClass::LiteralZero {
+                    zero_members.push(i);
+                }
+            }
+            // One entry per centre (members merged), then the window, in position order of anchors.
+            let d = sh.d;
+            for (ci, &c) in imp.iter().enumerate() {
+                let mut m = members[ci].clone();
+                m.sort_unstable();
+                let total: f64 = m.iter().map(|&j| s[j]).sum();
+                let w: Vec<f64> = if total > 0.0 {
+                    m.iter().map(|&j| s[j] / total).collect()
+                } else {
+                    vec![1.0 / m.len() as f64; m.len()]
+                };
+                let (mut dir, mut val) = (vec![0f64; d], vec![0f64; d]);
+                for (&j, wj) in m.iter().zip(&w) {
+                    let kn = l2_norm(&k_tilde[j]) + EPS;
+                    for x in 0..d {
+                        dir[x] += wj * k_tilde[j][x] as f64 / kn;
+                        val[x] += wj * ctx.value(g, j)[x] as f64;
+                    }
+                }
+                add_entry(
+                    &mut st,
+                    unit(&dir),
+                    val.iter().map(|x| *x as f32).collect(),
+                    false,
+                    c,
+                    &m,
+                );
+            }
+            for j in c_len..n {
+                add_entry(
+                    &mut st,
+                    singleton(j),
+                    ctx.value(g, j).to_vec(),
+                    true,
+                    j,
+                    &[j],
+                );
+            }
+            if !zero_members.is_empty() {
+                zero_members.sort_unstable();
+                add_entry(
+                    &mut st,
+                    vec![0.0; d],
+                    vec![0.0; d],
+                    false,
+                    zero_members[0],
+                    &zero_members,
+                );
+                let z = st.entries.last_mut().unwrap().as_mut().unwrap();
+                z.zero = true;
+                z.refresh(self, &sh.rope);
+            }
+            st.slots.sort_by_key(|x| x.pos);
+        }
+        st
+    }
+}
