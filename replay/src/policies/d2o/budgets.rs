@@ -2,7 +2,7 @@
 //! variance of its heads' attention, its ratio r_l of the prompt and its
 //! counts (N important, M recent).
 
-use super::{Allocation, D2o};
+use super::config::{Allocation, D2o};
 
 impl D2o {
     /// φ over layers from every layer's per-head column sums (each (n_heads·P)).
@@ -77,7 +77,7 @@ pub fn layer_counts(phi: f64, n_layers: usize, b: usize, p: usize, f: f64) -> (u
 
 #[cfg(test)]
 mod tests {
-    use super::super::{MatchOn, Merge, SinkSlot, Threshold};
+    use super::super::config::{MatchOn, Merge, SinkSlot, Threshold};
     use super::*;
 
     #[test]

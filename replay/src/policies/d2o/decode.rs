@@ -2,7 +2,8 @@
 //! score outside the sinks and the last M entries (or run the deferred first
 //! compression), and recall-and-merge it.
 
-use super::{counts, D2o, HeadState};
+use super::config::{D2o, HeadState};
+use super::budgets::counts;
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, StepCtx};
 use crate::select::cmp_f64;

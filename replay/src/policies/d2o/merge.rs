@@ -4,7 +4,7 @@
 
 use kvreplay_kernels::cpu::l2_norm;
 
-use super::{D2o, HeadState, MatchOn, Merge, Threshold};
+use super::config::{D2o, HeadState, MatchOn, Merge, Threshold};
 use crate::cache::HeadCache;
 
 impl D2o {

@@ -19,6 +19,7 @@
 //! (matching evicted tokens, the threshold, the merge passes), `decode` (the
 //! per-step eviction).
 
+mod config;
 mod budgets;
 mod decode;
 mod merge;
@@ -28,9 +29,10 @@ use std::sync::Arc;
 use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, Policy, PrefillCtx};
-use crate::select::cmp_f64;
-use crate::params::{choice_enum, Kind, ParamInfo, Params};
+use crate::params::{Kind, ParamInfo};
 use crate::ReplayError;
+
+pub use config::*;
 
 pub use budgets::{counts, layer_counts, layer_ratio};
 use decode::Decode;
@@ -57,191 +59,6 @@ pub static INFO: PolicyInfo = PolicyInfo {
         Ok(Arc::new(D2o::from_params(p)?))
     }),
 };
-
-choice_enum! {
-    /// `preset`: the paper's switches or the official code's settings.
-    pub enum Preset {
-        Paper = "paper",
-        Code = "code",
-    }
-}
-
-choice_enum! {
-    /// `sink_slot`: which share of the budget the sinks count in.
-    pub enum SinkSlot {
-        /// Inside N (official code).
-        Important = "important",
-        /// Inside M (paper wording).
-        Recent = "recent",
-    }
-}
-
-choice_enum! {
-    /// `threshold`: which evicted tokens are merged.
-    pub enum Threshold {
-        /// Those whose best similarity reaches the EMA threshold τ.
-        Ema = "ema",
-        /// All of them.
-        MergeAll = "none",
-    }
-}
-
-choice_enum! {
-    /// `merge`: the weights of a kept entry and the evicted ones it absorbs.
-    pub enum Merge {
-        /// e¹ for the kept entry and e^μ for each absorbed one, normalised (paper).
-        Weighted = "weighted",
-        /// The plain mean.
-        Average = "average",
-        /// The official code's (k + Σ μ k_x)/(1 + |B|).
-        CodeScaledMean = "code_scaled_mean",
-    }
-}
-
-choice_enum! {
-    /// `match_on`: the similarity that matches evicted tokens to kept ones.
-    pub enum MatchOn {
-        Keys = "keys",
-        Values = "values",
-        /// Keys for the key half and values for the value half, each with its own τ.
-        Split = "split",
-    }
-}
-
-choice_enum! {
-    /// `allocation`: the layer budget rule (Table 4's variants).
-    pub enum Allocation {
-        /// softmax(−s) of the min-max normalised head variances (paper).
-        InvVarSoftmax = "inv_var_softmax",
-        /// Without the layer operation: equal shares.
-        Uniform = "uniform",
-        /// Proportional to 1/variance.
-        Reciprocal = "reciprocal",
-        /// softmax(−variance).
-        ExpDecay = "exp_decay",
-        /// softmax(1/variance).
-        InvVarSoftmaxRaw = "inv_var_softmax_raw",
-    }
-}
-
-#[derive(Clone, Debug)]
-pub struct D2o {
-    pub f: f64,
-    pub beta: f64,
-    pub n_sink: usize,
-    pub sink_slot: SinkSlot,
-    pub threshold: Threshold,
-    pub merge: Merge,
-    pub match_on: MatchOn,
-    pub allocation: Allocation,
-    pub protect_layers: bool,
-    /// One cache per query head (the official code repeats K/V per query head).
-    pub per_query_head: bool,
-    /// First compression at decode step 1 with the first decode query's
-    /// attention in the scores and budgets from P + 1 (official code).
-    pub defer_first: bool,
-    /// One τ per layer shared by all its heads (official code).
-    pub shared_tau: bool,
-    /// Scores accumulated in f16 (official code).
-    pub fp16_scores: bool,
-}
-
-impl D2o {
-    fn from_params(p: &Params) -> Result<D2o, ReplayError> {
-        let unit = |k: &str| -> Result<f64, ReplayError> {
-            let x = p.float(k)?;
-            if (0.0..=1.0).contains(&x) {
-                Ok(x)
-            } else {
-                Err(ReplayError::BadParam {
-                    policy: "d2o".into(),
-                    key: k.into(),
-                    value: x.to_string(),
-                    msg: "must lie in [0, 1]".into(),
-                })
-            }
-        };
-        Ok(D2o {
-            f: unit("f")?,
-            beta: unit("beta")?,
-            n_sink: p.int("n_sink")?,
-            sink_slot: p.choice("sink_slot")?,
-            threshold: p.choice("threshold")?,
-            merge: p.choice("merge")?,
-            match_on: p.choice("match_on")?,
-            allocation: p.choice("allocation")?,
-            protect_layers: p.bool("protect_layers")?,
-            per_query_head: false,
-            defer_first: false,
-            shared_tau: false,
-            fp16_scores: false,
-        }
-        .with_preset(p.choice("preset")?))
-    }
-
-    /// The sinks count inside M (`sink_slot=recent`).
-    fn sinks_in_recent(&self) -> bool {
-        self.sink_slot == SinkSlot::Recent
-    }
-
-    /// The official code's settings (d2o.md §2.6 items a to j): protected
-    /// layers, first compression at decode step 1, per-query-head caches, one τ
-    /// per layer, scaled-mean merge, τ ← (τ + m)/2, sinks inside N, layers
-    /// whose budget reaches P − 1 stop compressing, N:M = 1:1, f16 scores.
-    fn with_preset(self, preset: Preset) -> D2o {
-        if preset == Preset::Paper {
-            return self;
-        }
-        D2o {
-            protect_layers: true,
-            per_query_head: true,
-            defer_first: true,
-            shared_tau: true,
-            fp16_scores: true,
-            merge: Merge::CodeScaledMean,
-            beta: 0.5,
-            f: 0.5,
-            sink_slot: SinkSlot::Important,
-            ..self
-        }
-    }
-}
-
-/// Per-(layer, KV head) state: scores, anchors and sink flags of the entries, τ.
-struct HeadState {
-    score: Vec<f64>,
-    anchor: Vec<usize>,
-    sink: Vec<bool>,
-    /// EMA thresholds: [the match (or key half), the value half under split].
-    tau: [Option<f64>; 2],
-}
-
-impl D2o {
-    /// The first compression of a cache whose entry i is position i: keep the
-    /// sinks (inside N, or inside M with `sink_slot=recent`), the N highest
-    /// scores and the last M entries; returns the rest (to recall-and-merge).
-    fn initial_evictions(&self, p: usize, st: &mut HeadState, n: usize, m: usize) -> Vec<usize> {
-        let (z, recent_start) = if self.sinks_in_recent() {
-            let z = self.n_sink.min(m).min(p);
-            (z, p.saturating_sub(m - z))
-        } else {
-            (self.n_sink.min(n).min(p), p.saturating_sub(m))
-        };
-        st.sink = (0..p).map(|i| i < z).collect();
-        if p <= n.saturating_add(m) {
-            return Vec::new();
-        }
-        let a = &st.score;
-        let mut keep = vec![false; p];
-        (0..z).for_each(|i| keep[i] = true);
-        (recent_start.max(z)..p).for_each(|i| keep[i] = true);
-        let n_top = if self.sinks_in_recent() { n } else { n - z };
-        let mut cand: Vec<usize> = (z..recent_start.max(z)).collect();
-        cand.sort_by(|&x, &y| cmp_f64(a[y], a[x]).then(x.cmp(&y)));
-        cand.iter().take(n_top).for_each(|&i| keep[i] = true);
-        (0..p).filter(|&i| !keep[i]).collect()
-    }
-}
 
 impl Policy for D2o {
     fn prefill(

@@ -6,7 +6,7 @@
 use kvreplay_kernels::cpu::l2_norm;
 
 use super::entry::{cos_plus_normed, unit, Entry, HeadState, Slot};
-use super::{DemoteRank, Ems, Shape, ZeroClass};
+use super::config::{DemoteRank, Ems, Shape, ZeroClass};
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, StepCtx};
 use crate::select::cmp_f64;

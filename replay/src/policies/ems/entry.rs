@@ -5,7 +5,7 @@
 
 use kvreplay_kernels::cpu::{l2_norm, RopeCache};
 
-use super::{Ems, Shape};
+use super::config::{Ems, Shape};
 use crate::cache::{HeadCache, F16_BITS};
 
 pub(super) const EPS: f64 = 1e-6;

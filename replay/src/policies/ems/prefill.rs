@@ -5,7 +5,7 @@
 use kvreplay_kernels::cpu::l2_norm;
 
 use super::entry::{unit, Entry, HeadState, Slot, EPS};
-use super::{Ems, Shape, ZeroClass};
+use super::config::{Ems, Shape, ZeroClass};
 use crate::policy::{pool1d, Pool, PrefillCtx};
 use crate::select::cmp_f32;
 

@@ -1,7 +1,7 @@
 //! KVMerger's collapse of one set into an entry: the pivot, the Gaussian
 //! weights around it and the value scaled for the set's size.
 
-use super::{KvMerger, Pivot, Sigma, ValueMode, Weighting};
+use super::config::{KvMerger, Pivot, Sigma, ValueMode, Weighting};
 use crate::policy::{PrefillCtx, SplitMix64};
 
 impl KvMerger {

@@ -2,7 +2,7 @@
 //! which (or, by rule, below which) a pair keeps its original vectors.
 
 use super::slerp::Merged;
-use super::{MiniCache, Rule};
+use super::config::{MiniCache, Rule};
 use crate::select::cmp_f64;
 
 /// A retention threshold frozen at prefill.
@@ -69,7 +69,7 @@ impl MiniCache {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{Merge, Scope};
+    use super::super::config::{Merge, Scope};
     use super::*;
 
     #[test]
