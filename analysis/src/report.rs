@@ -195,7 +195,7 @@ fn error_vs_memory(a: &Agg, path: &Path) -> PlotResult {
         chart.draw_series(pts.iter().map(|p| Circle::new(*p, 3, c.filled())))?;
     }
     // Pareto front: the lowest error reachable at each memory or less.
-    all.sort_by(|x, y| x.0.partial_cmp(&y.0).unwrap());
+    all.sort_by(|x, y| kvreplay_replay::select::cmp_f64(x.0, y.0));
     let mut front = Vec::new();
     let mut best = f64::MAX;
     for (m, e) in all {

@@ -16,7 +16,7 @@ pub fn cv(x: &[f64]) -> f64 {
 /// Average ranks (ties share the mean rank), 1-based.
 pub fn ranks(x: &[f64]) -> Vec<f64> {
     let mut idx: Vec<usize> = (0..x.len()).collect();
-    idx.sort_by(|&a, &b| x[a].partial_cmp(&x[b]).unwrap_or(std::cmp::Ordering::Equal));
+    idx.sort_by(|&a, &b| kvreplay_replay::select::cmp_f64(x[a], x[b]));
     let mut r = vec![0.0; x.len()];
     let mut i = 0;
     while i < idx.len() {

@@ -246,7 +246,7 @@ fn run_point(plan: &Plan, p: &Point, tr: &TraceReplay) -> Result<PointResult, Sw
         })
         .collect();
     let mut errs: Vec<f64> = rows.iter().map(|x| x.rel_l2).collect();
-    errs.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    errs.sort_by(|a, b| kvreplay_replay::select::cmp_f64(*a, *b));
     let p95 = errs[((0.95 * errs.len() as f64).ceil() as usize).clamp(1, errs.len()) - 1];
     // cache heads per layer: KV heads, or query heads for per-query-head policies
     let heads: usize = r

@@ -92,7 +92,7 @@ fn predictors(r: &ReplayResult, row: &mut Row) {
         .collect();
     row.replay_worst_layer_rel_l2 = per_layer.iter().cloned().fold(0.0, f64::max);
     let mut s = all.clone();
-    s.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    s.sort_by(|a, b| kvreplay_replay::select::cmp_f64(*a, *b));
     row.replay_p95_rel_l2 = s[((0.95 * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1];
     let wsum: f64 = (1..=per_layer.len()).map(|w| w as f64).sum();
     row.replay_depth_weighted_rel_l2 = per_layer

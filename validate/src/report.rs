@@ -81,7 +81,7 @@ pub fn summarise(rows: &[Row]) -> Summary {
     let best = correlations
         .iter()
         .filter(|c| score(c).is_finite())
-        .max_by(|a, b| score(a).partial_cmp(&score(b)).unwrap())
+        .max_by(|a, b| kvreplay_replay::select::cmp_f64(score(a), score(b)))
         .map(|c| c.predictor.clone())
         .unwrap_or_default();
     let mut disagreements = Vec::new();

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use serde::Serialize;
 
 use kvreplay_replay::policy::{LayerData, PrefillCtx};
+use kvreplay_replay::select::cmp_f64;
 use kvreplay_replay::{Budget, PolicySpec, ReplayError};
 use kvreplay_traces::Trace;
 
@@ -115,9 +116,7 @@ impl Ctx<'_> {
 pub(super) fn top_k(s: &[f64], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..s.len()).collect();
     idx.sort_by(|&a, &b| {
-        s[b].partial_cmp(&s[a])
-            .unwrap_or(std::cmp::Ordering::Equal)
-            .then(b.cmp(&a))
+        cmp_f64(s[b], s[a]).then(b.cmp(&a))
     });
     idx.truncate(k);
     idx

@@ -2,6 +2,8 @@
 
 use kvreplay_replay::{Budget, PolicySpec, ReplayError};
 
+use kvreplay_replay::select::cmp_f64;
+
 use super::ctx::{b0, fmt, Claim, Ctx, Verdict};
 use crate::stats::{mean, spearman};
 
@@ -16,7 +18,7 @@ pub(super) fn d2o(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayError> 
             let m = mean(&s);
             v += s.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (p as f64 - 1.0);
             let mut sorted = s.clone();
-            sorted.sort_by(|a, b| b.partial_cmp(a).unwrap());
+            sorted.sort_by(|a, b| cmp_f64(*b, *a));
             t += sorted[..(p / 10).max(1)].iter().sum::<f64>() / sorted.iter().sum::<f64>();
         }
         var.push(v / nh as f64);

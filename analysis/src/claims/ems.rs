@@ -2,6 +2,8 @@
 
 use kvreplay_replay::ReplayError;
 
+use kvreplay_replay::select::cmp_f64;
+
 use super::ctx::{b0, fmt, top_k, Claim, Ctx, Verdict};
 use crate::stats::{cosine, cv, mean};
 
@@ -37,7 +39,7 @@ pub(super) fn ems(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayError> 
             split_large.push(share(k));
             // sparsity at ζ = 0.95 of the normalised combined score
             let mut sorted = s.clone();
-            sorted.sort_by(|a, b| b.partial_cmp(a).unwrap());
+            sorted.sort_by(|a, b| cmp_f64(*b, *a));
             let total: f64 = sorted.iter().sum();
             let (mut acc, mut n_k) = (0.0, 0);
             for v in &sorted {
@@ -143,7 +145,7 @@ pub(super) fn ems(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayError> 
     let best = taus[e
         .iter()
         .enumerate()
-        .min_by(|a, b| a.1.partial_cmp(b.1).unwrap())
+        .min_by(|a, b| cmp_f64(*a.1, *b.1))
         .unwrap()
         .0];
     out.push(Claim {

@@ -2,6 +2,8 @@
 
 use kvreplay_replay::{Budget, PolicySpec, ReplayError};
 
+use kvreplay_replay::select::cmp_f64;
+
 use super::ctx::{fmt, Claim, Ctx, Verdict};
 use crate::stats::{cosine, mean};
 
@@ -107,7 +109,7 @@ pub(super) fn kvmerger(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayEr
             {
                 let piv = *set
                     .iter()
-                    .max_by(|&&a, &&b| colsum[a].partial_cmp(&colsum[b]).unwrap())
+                    .max_by(|&&a, &&b| cmp_f64(colsum[a] as f64, colsum[b] as f64))
                     .unwrap();
                 let dist: Vec<f64> = set
                     .iter()

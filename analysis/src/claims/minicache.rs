@@ -2,6 +2,8 @@
 
 use kvreplay_replay::{Budget, PolicySpec, ReplayError};
 
+use kvreplay_replay::select::cmp_f64;
+
 use super::ctx::{b0, fmt, Claim, Ctx, Verdict};
 use crate::stats::{cosine, mean, spearman};
 
@@ -20,7 +22,7 @@ pub(super) fn minicache(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayE
         kcos.push(mean(&per_tok));
         if l >= nl / 2 {
             let mut s = per_tok.clone();
-            s.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            s.sort_by(|a, b| cmp_f64(*a, *b));
             deep_median.push(s[p / 2]);
             token0_rank.push((per_tok[0] <= s[(p / 20).max(1)]) as u8 as f64);
         }
