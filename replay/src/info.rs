@@ -9,14 +9,23 @@ use crate::policy::Policy;
 use crate::scorer::Scorer;
 use crate::ReplayError;
 
+/// Builds a policy from its parameters.
+pub type BuildPolicy = fn(&Params) -> Result<Arc<dyn Policy>, ReplayError>;
+/// Builds a scorer from its parameters.
+pub type BuildScorer = fn(&Params) -> Result<Arc<dyn Scorer>, ReplayError>;
+/// Builds a policy around the scorer it wraps.
+pub type BuildAround = fn(&Params, Arc<dyn Scorer>) -> Result<Arc<dyn Policy>, ReplayError>;
+/// Builds a policy around the policy it composes onto.
+pub type BuildOnto = fn(&Params, Arc<dyn Policy>) -> Result<Arc<dyn Policy>, ReplayError>;
+
 /// How a registered name becomes a policy.
 #[derive(Clone, Copy)]
 pub enum Build {
     /// A policy in its own right.
-    Policy(fn(&Params) -> Result<Arc<dyn Policy>, ReplayError>),
+    Policy(BuildPolicy),
     /// A scorer: a policy through the shared selection, and usable inside
     /// every scorer wrapper (`adakv:scorer=NAME`).
-    Scorer(fn(&Params) -> Result<Arc<dyn Scorer>, ReplayError>),
+    Scorer(BuildScorer),
     /// Wraps any registered scorer, chosen by its `scorer` parameter; the
     /// scorer's parameters are accepted beside the wrapper's own (written
     /// `SCORER.NAME` where the wrapper has a parameter of the same name), with
@@ -24,10 +33,10 @@ pub enum Build {
     ScorerWrapper {
         default_scorer: &'static str,
         scorer_defaults: &'static [(&'static str, &'static str)],
-        build: fn(&Params, Arc<dyn Scorer>) -> Result<Arc<dyn Policy>, ReplayError>,
+        build: BuildAround,
     },
     /// Composes onto any policy with `+` (alone: onto `full`).
-    Wrapper(fn(&Params, Arc<dyn Policy>) -> Result<Arc<dyn Policy>, ReplayError>),
+    Wrapper(BuildOnto),
 }
 
 /// Method family, for listings and the report.

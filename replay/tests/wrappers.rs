@@ -188,33 +188,21 @@ fn random_keeps_the_first_b_of_a_seeded_permutation() {
     // The SplitMix64 Fisher-Yates draw of (seed 0, layer 0, KV head 0) over 10
     // positions, written out independently: its first 4 draws are kept.
     let data = simple_layer(&[vec![0.0; 11]], 1, 10, 0, 1);
-    let mut state = 0u64 ^ 0x9E37_79B9_7F4A_7C15;
-    let mut next = move || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
+    // SplitMix64, written out: one step of the generator
+    fn next(state: &mut u64) -> u64 {
+        *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = *state;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
-    };
-    // for_head(seed, layer 0, head 0): two chained generators, xor with 0
-    let a = next();
-    let mut s2 = a;
-    let mut next2 = move || {
-        s2 = s2.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = s2;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
-    let mut s3 = next2();
-    let mut below = move |n: usize| {
-        s3 = s3.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = s3;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (((z >> 11) as f64 / (1u64 << 53) as f64) * n as f64) as usize
-    };
+    }
+    // for_head(seed 0, layer 0, head 0): SplitMix64(0 ^ golden ratio) gives the
+    // next generator's state (xor layer·C = 0), whose first output seeds the
+    // head's generator (xor head·C = 0)
+    let mut s1 = 0x9E37_79B9_7F4A_7C15u64;
+    let mut s2 = next(&mut s1);
+    let mut s3 = next(&mut s2);
+    let mut below = |n: usize| (((next(&mut s3) >> 11) as f64 / (1u64 << 53) as f64) * n as f64) as usize;
     let mut idx: Vec<usize> = (0..10).collect();
     for i in 0..4 {
         let j = i + below(10 - i);
