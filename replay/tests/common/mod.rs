@@ -233,3 +233,71 @@ pub fn write_trace(dir: &Path, layers: &[LayerData]) -> PathBuf {
     };
     w.finish(m).unwrap()
 }
+
+/// A layer from explicit rows: `q[h][t]` per query head, `k[g][t]` and
+/// `v[g][t]` per KV head (every row of the same length d, every head of the
+/// same length T), logit scale `scale`. Column sums are computed exactly (f64)
+/// from the causal softmax over the first `prompt_len` positions; tests may
+/// overwrite them.
+pub fn explicit_layer(
+    q: &[Vec<Vec<f32>>],
+    k: &[Vec<Vec<f32>>],
+    v: &[Vec<Vec<f32>>],
+    prompt_len: usize,
+    scale: f32,
+) -> LayerData {
+    let (nh, nkv) = (q.len(), k.len());
+    let t = k[0].len();
+    let d = k[0][0].len();
+    let group = nh / nkv;
+    let flat = |x: &[Vec<Vec<f32>>]| -> Vec<f32> {
+        x.iter()
+            .flat_map(|head| {
+                assert_eq!(head.len(), t, "every head has T rows");
+                head.iter().flat_map(|row| {
+                    assert_eq!(row.len(), d, "every row has d values");
+                    row.iter().copied()
+                })
+            })
+            .collect()
+    };
+    let mut colsum = vec![0f32; nh * prompt_len];
+    for h in 0..nh {
+        let g = h / group;
+        for j in 0..prompt_len {
+            let l: Vec<f64> = (0..=j)
+                .map(|i| {
+                    q[h][j]
+                        .iter()
+                        .zip(&k[g][i])
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let mx = l.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = l.iter().map(|x| (x - mx).exp()).sum();
+            for i in 0..=j {
+                colsum[h * prompt_len + i] += ((l[i] - mx).exp() / z) as f32;
+            }
+        }
+    }
+    LayerData {
+        layer: 0,
+        n_layers: 1,
+        n_heads: nh,
+        n_kv_heads: nkv,
+        d,
+        scale,
+        prompt_len,
+        total_len: t,
+        q: flat(q),
+        k: flat(k),
+        v: flat(v),
+        colsum,
+        all_colsum: None,
+        rope: None,
+        trace_id: None,
+        backend: Default::default(),
+    }
+}
