@@ -3,39 +3,16 @@
 
 mod common;
 
-use common::{random_layer, simple_layer};
-use kvreplay_replay::engine::{attend, replay_layer};
+use common::{random_layer, run_steps, simple_layer};
+use kvreplay_replay::engine::replay_layer;
 use kvreplay_replay::policy::{LayerData, PrefillCtx};
-use kvreplay_replay::{HeadCache, PolicySpec, Session, REGISTRY};
+use kvreplay_replay::{HeadCache, PolicySpec, REGISTRY};
 
 /// Kept prompt positions per KV head after prefill.
 fn kept(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<usize>> {
     let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
     let (caches, _) = policy.prefill(&PrefillCtx::new(data, budget)).unwrap();
     caches.iter().map(|c| c.positions()).collect()
-}
-
-/// Run prefill and every decode step through the engine's loop (a
-/// `Session`), returning the caches after prefill and after each step (for
-/// invariants on decode-time policies).
-fn run_steps(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<HeadCache>> {
-    let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
-    let mut s = Session::prefill(policy.as_ref(), &[data], budget).unwrap();
-    let mut out = vec![s.caches(0).to_vec()];
-    for pos in data.prompt_len..data.total_len {
-        s.append(0, pos, |g| (data.k_row(g, pos), data.v_row(g, pos)));
-        let probs: Vec<Vec<f32>> = (0..data.n_heads)
-            .map(|h| {
-                let cache = &s.caches(0)[s.cache_of(0, h)];
-                let (_, w, z) = attend(data.q_row(h, pos), cache, data.scale, &data.backend).unwrap();
-                w.iter().map(|x| (x / z) as f32).collect()
-            })
-            .collect();
-        let queries: Vec<&[f32]> = (0..data.n_heads).map(|h| data.q_row(h, pos)).collect();
-        s.step(pos, &[probs], &[queries]);
-        out.push(s.caches(0).to_vec());
-    }
-    out
 }
 
 #[test]

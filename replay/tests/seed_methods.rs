@@ -5,106 +5,12 @@
 
 mod common;
 
-use common::{explicit_layer, simple_layer};
-use kvreplay_replay::engine::attend;
-use kvreplay_replay::policy::{LayerData, PrefillCtx, StepCtx};
+use common::{explicit_layer, run_group_steps, run_steps, simple_layer};
+use kvreplay_replay::policy::{LayerData, PrefillCtx};
 use kvreplay_replay::{HeadCache, PolicySpec};
 use std::sync::Arc;
 
 // ---------------------------------------------------------------- helpers
-
-/// Run prefill and every decode step the way the engine does, returning the
-/// caches after prefill and after each step (as `run_steps` in policies.rs).
-fn run_steps(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<HeadCache>> {
-    let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
-    let (mut caches, mut state) = policy.prefill(&PrefillCtx::new(data, budget)).unwrap();
-    let mut out = vec![caches.clone()];
-    let per_query = caches.len() == data.n_heads && data.n_heads != data.n_kv_heads;
-    let cache_of = |h: usize| if per_query { h } else { h / data.group() };
-    for pos in data.prompt_len..data.total_len {
-        for (c, cache) in caches.iter_mut().enumerate() {
-            let g = if per_query { c / data.group() } else { c };
-            cache.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
-        }
-        let probs: Vec<Vec<f32>> = (0..data.n_heads)
-            .map(|h| {
-                let (_, w, z) = attend(
-                    data.q_row(h, pos),
-                    &caches[cache_of(h)],
-                    data.scale,
-                    &data.backend,
-                )
-                .unwrap();
-                w.iter().map(|x| (x / z) as f32).collect()
-            })
-            .collect();
-        let queries: Vec<&[f32]> = (0..data.n_heads).map(|h| data.q_row(h, pos)).collect();
-        let ctx = StepCtx {
-            layer: data.layer,
-            pos,
-            budget,
-            group: data.group(),
-            probs: &probs,
-            queries: &queries,
-            scale: data.scale,
-        };
-        state.step(&ctx, &mut caches);
-        out.push(caches.clone());
-    }
-    out
-}
-
-/// [`run_steps`] for a group of layers replayed together (MiniCache's pairs):
-/// the caches of every layer after prefill and after each decode step.
-fn run_group_steps(spec: &str, datas: &[LayerData], budget: usize) -> Vec<Vec<Vec<HeadCache>>> {
-    let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
-    let ctxs: Vec<PrefillCtx> = datas.iter().map(|d| PrefillCtx::new(d, budget)).collect();
-    let (mut caches, mut state) = policy.prefill_group(&ctxs).unwrap();
-    let mut out = vec![caches.clone()];
-    let (p, t) = (datas[0].prompt_len, datas[0].total_len);
-    for pos in p..t {
-        let mut probs: Vec<Vec<Vec<f32>>> = Vec::new();
-        for (i, data) in datas.iter().enumerate() {
-            for (g, cache) in caches[i].iter_mut().enumerate() {
-                cache.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
-            }
-            probs.push(
-                (0..data.n_heads)
-                    .map(|h| {
-                        let (_, w, z) = attend(
-                            data.q_row(h, pos),
-                            &caches[i][h / data.group()],
-                            data.scale,
-                            &data.backend,
-                        )
-                        .unwrap();
-                        w.iter().map(|x| (x / z) as f32).collect()
-                    })
-                    .collect(),
-            );
-        }
-        let queries: Vec<Vec<&[f32]>> = datas
-            .iter()
-            .map(|d| (0..d.n_heads).map(|h| d.q_row(h, pos)).collect())
-            .collect();
-        let sctxs: Vec<StepCtx> = datas
-            .iter()
-            .enumerate()
-            .map(|(i, d)| StepCtx {
-                layer: d.layer,
-                pos,
-                budget,
-                group: d.group(),
-                probs: &probs[i],
-                queries: &queries[i],
-                scale: d.scale,
-            })
-            .collect();
-        state.step(&sctxs, &mut caches);
-        out.push(caches.clone());
-    }
-    out
-}
 
 fn prefill(spec: &str, data: &LayerData, budget: usize) -> Vec<HeadCache> {
     let policy = PolicySpec::parse(spec).unwrap().build().unwrap();

@@ -41,7 +41,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "decode_evict", default: "true", kind: Kind::Bool, help: "hold B entries during decode" },
     ],
     caps: Caps::EVICT_DECODE,
-    test: "ahakv_scores_with_recent_rows_only",
+    test: "ahakv_step_gain_and_value_prior_choose_the_prefill_set",
     build: Build::Scorer(|p| Ok(Arc::new(AhaKv::from_params(p)?))),
 };
 

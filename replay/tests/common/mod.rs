@@ -1,7 +1,9 @@
 //! Hand-built layers and traces for replay tests.
 #![allow(dead_code, clippy::needless_range_loop)]
 
+use kvreplay_replay::engine::attend;
 use kvreplay_replay::policy::LayerData;
+use kvreplay_replay::{HeadCache, PolicySpec, Session};
 use kvreplay_traces::*;
 use std::path::{Path, PathBuf};
 
@@ -297,7 +299,50 @@ pub fn explicit_layer(
         colsum,
         all_colsum: None,
         rope: None,
-        trace_id: None,
+        memo: None,
         backend: Default::default(),
     }
+}
+
+/// Run prefill and every decode step of `spec` on layers replayed together
+/// (one layer, or a cross-layer policy's group) through the engine's loop (a
+/// `Session`), attending over each cache as the engine does; returns every
+/// layer's caches after prefill and after each decode step.
+pub fn run_group_steps(spec: &str, datas: &[LayerData], budget: usize) -> Vec<Vec<Vec<HeadCache>>> {
+    let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
+    let refs: Vec<&LayerData> = datas.iter().collect();
+    let mut s = Session::prefill(policy.as_ref(), &refs, budget).unwrap();
+    let snapshot = |s: &Session| (0..datas.len()).map(|i| s.caches(i).to_vec()).collect::<Vec<_>>();
+    let mut out = vec![snapshot(&s)];
+    let (p, t) = (datas[0].prompt_len, datas[0].total_len);
+    for pos in p..t {
+        let mut probs = Vec::new();
+        for (i, data) in datas.iter().enumerate() {
+            s.append(i, pos, |g| (data.k_row(g, pos), data.v_row(g, pos)));
+            probs.push(
+                (0..data.n_heads)
+                    .map(|h| {
+                        let cache = &s.caches(i)[s.cache_of(i, h)];
+                        let (_, w, z) = attend(data.q_row(h, pos), cache, data.scale, &data.backend).unwrap();
+                        w.iter().map(|x| (x / z) as f32).collect::<Vec<f32>>()
+                    })
+                    .collect::<Vec<_>>(),
+            );
+        }
+        let queries: Vec<Vec<&[f32]>> = datas
+            .iter()
+            .map(|d| (0..d.n_heads).map(|h| d.q_row(h, pos)).collect())
+            .collect();
+        s.step(pos, &probs, &queries);
+        out.push(snapshot(&s));
+    }
+    out
+}
+
+/// [`run_group_steps`] for one layer: its caches after prefill and after each step.
+pub fn run_steps(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<HeadCache>> {
+    run_group_steps(spec, std::slice::from_ref(data), budget)
+        .into_iter()
+        .map(|mut layers| layers.remove(0))
+        .collect()
 }

@@ -54,7 +54,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "protect_layers", default: "false", kind: Kind::Bool, help: "official code: layers 0, 1 and L−1 are never compressed" },
     ],
     caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, holds_capacity: true, exact_when_covering: false, ..Caps::EVICT_PREFILL },
-    test: "d2o_first_compression_merges_tokens_at_least_as_similar_as_the_mean",
+    test: "d2o_layer_budgets_follow_the_inverse_variance_softmax",
     build: Build::Policy(|p| {
         Ok(Arc::new(D2o::from_params(p)?))
     }),

@@ -56,7 +56,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "similarity", default: "key_value", kind: Kind::Choice(&["key_value", "key", "value"]), help: "Table 8 ablation of the redundancy measure" },
     ],
     caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, per_query_head: true, holds_capacity: true, exact_when_covering: false, ..Caps::EVICT_PREFILL },
-    test: "ems_merges_a_scaled_copy_of_a_centre",
+    test: "ems_global_local_scores_pick_the_centres_and_weight_the_merge",
     build: Build::Policy(|p| {
         Ok(Arc::new(Ems::from_params(p)?))
     }),

@@ -62,7 +62,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "n_sink", default: "0", kind: Kind::Int, help: "extension: first positions forced into the heavy hitters" },
     ],
     caps: Caps { family: Family::Merging, merges: true, ..Caps::EVICT_PREFILL },
-    test: "kvmerger_gaussian_weights_and_value_scaling",
+    test: "kvmerger_sigma_and_pivot_variants_give_the_exact_gaussian_merge",
     build: Build::Policy(|p| {
         Ok(Arc::new(KvMerger::from_params(p)?))
     }),

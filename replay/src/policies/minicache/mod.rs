@@ -60,7 +60,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "merge_v", default: "true", kind: Kind::Bool, help: "merge values" },
     ],
     caps: Caps { family: Family::CrossLayer, phase: Phase::Decode, merges: true, cross_layer: true, ..Caps::EVICT_PREFILL },
-    test: "minicache_merges_parallel_layers_losslessly_and_charges_one_direction",
+    test: "minicache_restores_retained_positions_exactly_and_merged_ones_from_norm_and_direction",
     build: Build::Policy(|p| {
         Ok(Arc::new(MiniCache::from_params(p)?))
     }),
