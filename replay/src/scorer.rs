@@ -90,11 +90,52 @@ impl Selected<'_> {
 
 /// Decode-time scores of one layer's caches.
 pub trait StepScorer: Send {
-    /// Scores of cache `c`'s entries after this step's attention (the step's
-    /// new entry is the last one): (cache.len(),).
-    fn scores(&mut self, ctx: &StepCtx, c: usize, cache: &HeadCache) -> Vec<f32>;
+    /// After each step's attention, before any eviction: update what cache
+    /// `c` keeps (its last entry is the step's new one).
+    fn observe(&mut self, _ctx: &StepCtx, _c: usize, _cache: &HeadCache) {}
+    /// Scores of cache `c`'s entries, (cache.len(),); asked only when the
+    /// cache must evict.
+    fn scores(&mut self, ctx: &StepCtx, c: usize, cache: &HeadCache) -> &[f32];
     /// Entry `e` of cache `c` was evicted.
     fn evicted(&mut self, _c: usize, _e: usize) {}
+}
+
+/// Equal scores for every entry: the tie rule alone picks the victim
+/// (StreamingLLM's oldest non-sink entry).
+#[derive(Default)]
+pub struct Equal {
+    zeros: Vec<f32>,
+}
+
+impl StepScorer for Equal {
+    fn scores(&mut self, _: &StepCtx, _: usize, cache: &HeadCache) -> &[f32] {
+        if self.zeros.len() < cache.len() {
+            self.zeros.resize(cache.len(), 0.0);
+        }
+        &self.zeros[..cache.len()]
+    }
+}
+
+/// A step scorer that computes its scores afresh when asked (no state).
+pub struct Computed<F> {
+    f: F,
+    buf: Vec<f32>,
+}
+
+impl<F: FnMut(&StepCtx, usize, &HeadCache) -> Vec<f32> + Send> Computed<F> {
+    pub fn boxed(f: F) -> Option<Box<dyn StepScorer>>
+    where
+        F: 'static,
+    {
+        Some(Box::new(Computed { f, buf: Vec::new() }))
+    }
+}
+
+impl<F: FnMut(&StepCtx, usize, &HeadCache) -> Vec<f32> + Send> StepScorer for Computed<F> {
+    fn scores(&mut self, ctx: &StepCtx, c: usize, cache: &HeadCache) -> &[f32] {
+        self.buf = (self.f)(ctx, c, cache);
+        &self.buf
+    }
 }
 
 /// How a layer's budget is spread over its caches.
@@ -106,13 +147,6 @@ pub enum Allocation {
     Pyramid { beta: usize },
     /// AdaKV: per-head counts from where the layer's top scores fall.
     Ada { alpha: f64, normalize: bool },
-}
-
-/// Any closure of the right shape is a step scorer.
-impl<F: FnMut(&StepCtx, usize, &HeadCache) -> Vec<f32> + Send> StepScorer for F {
-    fn scores(&mut self, ctx: &StepCtx, c: usize, cache: &HeadCache) -> Vec<f32> {
-        self(ctx, c, cache)
-    }
 }
 
 /// Something done to an entry just before it is evicted (CaM merges its value
@@ -291,8 +325,7 @@ impl DecodeState for Evict {
             if let Some(m) = self.merges.get_mut(c) {
                 m.observe(ctx, self.heads[c].clone());
             }
-            let mut s = self.step.scores(ctx, c, cache);
-            debug_assert_eq!(s.len(), cache.len());
+            self.step.observe(ctx, c, cache);
             while cache.len() > self.capacity[c] {
                 let room = cache.len().saturating_sub(self.prot.total());
                 if room == 0 {
@@ -300,14 +333,15 @@ impl DecodeState for Evict {
                 }
                 for _ in 0..self.batch.min(room) {
                     let n = cache.len();
-                    let pos = cache.positions();
                     let cand = self.prot.sinks..n - self.prot.recent;
-                    let e = victim(&s, cand, |e| pos[e], self.tie).expect("room > 0");
+                    let s = self.step.scores(ctx, c, cache);
+                    debug_assert_eq!(s.len(), n);
+                    let pos = |e: usize| cache.members[e][0] as usize;
+                    let e = victim(s, cand, pos, self.tie).expect("room > 0");
                     if let Some(m) = self.merges.get_mut(c) {
                         m.before_evict(cache, e);
                     }
                     cache.remove(e);
-                    s.remove(e);
                     self.step.evicted(c, e);
                 }
             }

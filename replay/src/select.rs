@@ -52,8 +52,13 @@ pub fn top_k(
     if k == 0 {
         return Vec::new();
     }
-    c.sort_by(|&a, &b| cmp_f32(scores[b], scores[a]).then(tie.keep_order(pos(a), pos(b))));
-    c.truncate(k);
+    // Positions are distinct, so the order is total and the best k are one
+    // set: partition them off (linear time), then sort only those.
+    let order = |a: &usize, b: &usize| cmp_f32(scores[*b], scores[*a]).then(tie.keep_order(pos(*a), pos(*b)));
+    if k < c.len() {
+        c.select_nth_unstable_by(k - 1, order);
+        c.truncate(k);
+    }
     c.sort_unstable();
     c
 }

@@ -2,16 +2,19 @@
 //! policy rounds the same way.
 
 /// ‖x‖₂ with the squares accumulated in f64.
+#[inline]
 pub fn l2_norm(x: &[f32]) -> f64 {
     x.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>().sqrt()
 }
 
 /// ‖x‖₂ accumulated in f32 (MiniCache's reference computes its norms so).
+#[inline]
 pub fn l2_norm_f32(x: &[f32]) -> f32 {
     x.iter().map(|v| v * v).sum::<f32>().sqrt()
 }
 
 /// Cosine similarity in f64 (0 when either vector is zero).
+#[inline]
 pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
     let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
     for (x, y) in a.iter().zip(b) {
@@ -24,6 +27,7 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
 
 /// Max-shifted softmax in place with exp and normalisation in f64 (for
 /// scoring rows, where probabilities far below the maximum still matter).
+#[inline]
 pub fn softmax_f64_norm(x: &mut [f32]) {
     let mx = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
     let w: Vec<f64> = x.iter().map(|v| ((v - mx) as f64).exp()).collect();
@@ -34,6 +38,7 @@ pub fn softmax_f64_norm(x: &mut [f32]) {
 /// Asymmetric min-max quantisation of `x` as one group to `bits` bits, and
 /// back (KIVI's rule: scale (max − min)/(2^b − 1) and the minimum, both
 /// rounded to f16; round, clamp). The caller accounts the storage cost.
+#[inline]
 pub fn fake_quant(x: &mut [f32], bits: u32) {
     let levels = ((1u32 << bits) - 1) as f32;
     let mn = x.iter().fold(f32::INFINITY, |m, v| m.min(*v));

@@ -255,7 +255,7 @@ struct StepGain {
 }
 
 impl StepScorer for StepGain {
-    fn scores(&mut self, ctx: &StepCtx, ci: usize, c: &HeadCache) -> Vec<f32> {
+    fn observe(&mut self, ctx: &StepCtx, ci: usize, c: &HeadCache) {
         let f = &mut self.scores[ci];
         f.push(0.0);
         let count = if self.cfg.gain_cache_len {
@@ -277,7 +277,9 @@ impl StepScorer for StepGain {
             self.cfg.agg(&mut inc, &z, k, nheads);
         }
         f.iter_mut().zip(&inc).for_each(|(a, x)| *a += x);
-        f.clone()
+    }
+    fn scores(&mut self, _: &StepCtx, ci: usize, _: &HeadCache) -> &[f32] {
+        &self.scores[ci]
     }
     fn evicted(&mut self, c: usize, e: usize) {
         self.scores[c].remove(e);

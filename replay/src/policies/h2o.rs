@@ -68,9 +68,11 @@ pub struct Accumulated {
 }
 
 impl StepScorer for Accumulated {
-    fn scores(&mut self, ctx: &StepCtx, c: usize, _: &HeadCache) -> Vec<f32> {
+    fn observe(&mut self, ctx: &StepCtx, c: usize, _: &HeadCache) {
         ctx.accumulate(&mut self.acc[c], self.heads[c].clone());
-        self.acc[c].clone()
+    }
+    fn scores(&mut self, _: &StepCtx, c: usize, _: &HeadCache) -> &[f32] {
+        &self.acc[c]
     }
     fn evicted(&mut self, c: usize, e: usize) {
         self.acc[c].remove(e);

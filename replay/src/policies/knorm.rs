@@ -2,7 +2,7 @@
 //! window or sinks; `skip_layers` stay uncompressed; `decode_evict` evicts the largest-norm key.
 
 use crate::info::{Build, Caps, Phase, PolicyInfo};
-use crate::{scorer::{Scorer, Selected, StepScorer, Unit}, params::{Kind, ParamInfo}, HeadCache, PrefillCtx, StepCtx};
+use crate::{scorer::{Computed, Scorer, Selected, StepScorer, Unit}, params::{Kind, ParamInfo}, HeadCache, PrefillCtx, StepCtx};
 use kvreplay_kernels::cpu::l2_norm;
 
 pub static INFO: PolicyInfo = PolicyInfo {
@@ -24,6 +24,6 @@ impl Scorer for KNorm {
     fn skip_layer(&self, layer: usize) -> bool { self.skip_layers.contains(&layer) }
     fn decode_evict(&self) -> bool { self.decode_evict }
     fn decoder(&self, _: &PrefillCtx, _: &Selected) -> Option<Box<dyn StepScorer>> {
-        Some(Box::new(|_: &StepCtx, _: usize, c: &HeadCache| (0..c.len()).map(|e| -l2_norm(c.key(e)) as f32).collect()))
+        Computed::boxed(|_: &StepCtx, _: usize, c: &HeadCache| (0..c.len()).map(|e| -l2_norm(c.key(e)) as f32).collect())
     }
 }

@@ -72,10 +72,12 @@ impl Scissorhands {
         if self.uniform {
             return (1.0 / (self.lambda * n as f64)) as f32;
         }
+        // the value at index ⌊0.9·n⌋ of the row sorted ascending: selected in
+        // linear time (total order, so the same value a full sort puts there)
         let mut sorted = visible.to_vec();
         sorted.resize(n, 0.0);
-        sorted.sort_by(|a, b| cmp_f32(*a, *b));
-        sorted[(0.9 * n as f64).floor() as usize]
+        let k = (0.9 * n as f64).floor() as usize;
+        *sorted.select_nth_unstable_by(k, |a, b| cmp_f32(*a, *b)).1
     }
 
     /// masks[i][h'] over the last w_h prompt rows (bit 0 = latest row), per
@@ -157,7 +159,7 @@ impl Scorer for Scissorhands {
             })
             .collect();
         let heads = sel.units.iter().map(|u| u.heads.clone()).collect();
-        Some(Box::new(Pivotal { masks, heads, cfg: *self }))
+        Some(Box::new(Pivotal { masks, heads, cfg: *self, counts: Vec::new() }))
     }
 }
 
@@ -167,10 +169,12 @@ struct Pivotal {
     masks: Vec<Vec<Vec<u128>>>,
     heads: Vec<std::ops::Range<usize>>,
     cfg: Scissorhands,
+    /// The last counts asked for.
+    counts: Vec<f32>,
 }
 
 impl StepScorer for Pivotal {
-    fn scores(&mut self, ctx: &StepCtx, c: usize, _: &HeadCache) -> Vec<f32> {
+    fn observe(&mut self, ctx: &StepCtx, c: usize, _: &HeadCache) {
         let keep_bits = if self.cfg.w_h == 128 {
             u128::MAX
         } else {
@@ -186,7 +190,10 @@ impl StepScorer for Pivotal {
                 *m = ((*m << 1) | (*a > theta) as u128) & keep_bits;
             }
         }
-        counts(masks)
+    }
+    fn scores(&mut self, _: &StepCtx, c: usize, _: &HeadCache) -> &[f32] {
+        self.counts = counts(&self.masks[c]);
+        &self.counts
     }
     fn evicted(&mut self, c: usize, e: usize) {
         self.masks[c].remove(e);

@@ -7,9 +7,8 @@
 use std::sync::Arc;
 
 use crate::info::{Build, Caps, PolicyInfo};
-use crate::cache::HeadCache;
-use crate::policy::{PrefillCtx, StepCtx};
-use crate::scorer::{Scorer, Selected, StepScorer, Unit};
+use crate::policy::PrefillCtx;
+use crate::scorer::{Equal, Scorer, Selected, StepScorer, Unit};
 use crate::select::Protect;
 use crate::params::{Kind, ParamInfo};
 use crate::ReplayError;
@@ -44,6 +43,6 @@ impl Scorer for StreamingLlm {
     }
     fn decoder(&self, _: &PrefillCtx, _: &Selected) -> Option<Box<dyn StepScorer>> {
         // equal scores: the tie rule evicts the earliest non-sink entry
-        Some(Box::new(|_: &StepCtx, _: usize, c: &HeadCache| vec![0.0; c.len()]))
+        Some(Box::new(Equal::default()))
     }
 }

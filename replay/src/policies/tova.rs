@@ -65,9 +65,27 @@ impl Scorer for Tova {
         self.decode_evict
     }
     fn decoder(&self, ctx: &PrefillCtx, sel: &Selected) -> Option<Box<dyn StepScorer>> {
-        let heads: Vec<_> = sel.units.iter().map(|u| self.scoring_heads(&u.heads, ctx.n_heads())).collect();
-        Some(Box::new(move |ctx: &StepCtx, c: usize, _: &HeadCache| {
-            mean_rows(ctx.probs[heads[c].clone()].iter().map(|r| r.as_slice()))
-        }))
+        let heads = sel.units.iter().map(|u| self.scoring_heads(&u.heads, ctx.n_heads())).collect();
+        Some(Box::new(StepMean { heads, last: None }))
+    }
+}
+
+/// Decode: the step's attention averaged over the scoring heads (computed
+/// once per step when every cache shares them, as in the layer-wide default).
+struct StepMean {
+    heads: Vec<std::ops::Range<usize>>,
+    /// (step, scoring heads, mean) of the last mean computed.
+    last: Option<(usize, std::ops::Range<usize>, Vec<f32>)>,
+}
+
+impl StepScorer for StepMean {
+    fn scores(&mut self, ctx: &StepCtx, c: usize, _: &HeadCache) -> &[f32] {
+        let heads = self.heads[c].clone();
+        let fresh = !matches!(&self.last, Some((pos, h, _)) if *pos == ctx.pos && *h == heads);
+        if fresh {
+            let mean = mean_rows(ctx.probs[heads.clone()].iter().map(|r| r.as_slice()));
+            self.last = Some((ctx.pos, heads, mean));
+        }
+        &self.last.as_ref().expect("set above").2
     }
 }
