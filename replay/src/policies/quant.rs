@@ -19,7 +19,6 @@ use crate::policy::{DecodeState, GroupDecodeState, Policy, PrefillCtx, StepCtx};
 use crate::params::{Kind, ParamInfo};
 use crate::ReplayError;
 use kvreplay_kernels::cpu::fake_quant;
-use std::collections::HashMap;
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "quant",
@@ -116,18 +115,22 @@ impl QuantCfg {
     }
 
     /// Flags before a step, keyed by each entry's first member (entries stand
-    /// for disjoint positions, so the key is unique). The step's new entry,
-    /// appended by the engine, has no flags yet and so is unquantised.
-    fn snapshot(caches: &[HeadCache], flags: &[Vec<Flags>]) -> Vec<HashMap<u32, Flags>> {
+    /// for disjoint positions, so the key is unique), sorted by key. The
+    /// step's new entry, appended by the engine, has no flags yet and so is
+    /// unquantised.
+    fn snapshot(caches: &[HeadCache], flags: &[Vec<Flags>]) -> Vec<Vec<(u32, Flags)>> {
         caches
             .iter()
             .zip(flags)
             .map(|(c, f)| {
-                c.members
+                let mut v: Vec<(u32, Flags)> = c
+                    .members
                     .iter()
                     .map(|m| m[0])
                     .zip(f.iter().copied())
-                    .collect()
+                    .collect();
+                v.sort_unstable_by_key(|x| x.0);
+                v
             })
             .collect()
     }
@@ -137,14 +140,17 @@ impl QuantCfg {
     fn resettle(
         &self,
         caches: &mut [HeadCache],
-        before: &[HashMap<u32, Flags>],
+        before: &[Vec<(u32, Flags)>],
         flags: &mut [Vec<Flags>],
     ) {
         for ((c, prev), f) in caches.iter_mut().zip(before).zip(flags.iter_mut()) {
             let mut nf: Vec<Flags> = c
                 .members
                 .iter()
-                .map(|m| prev.get(&m[0]).copied().unwrap_or_default())
+                .map(|m| match prev.binary_search_by_key(&m[0], |x| x.0) {
+                    Ok(i) => prev[i].1,
+                    Err(_) => Flags::default(),
+                })
                 .collect();
             self.settle(c, &mut nf);
             *f = nf;
