@@ -19,6 +19,24 @@ pub fn cmp_f64(a: f64, b: f64) -> Ordering {
     a.partial_cmp(&b).unwrap_or_else(|| a.total_cmp(&b))
 }
 
+/// A score the selection compares: f32 (most policies) or f64 (D2O's and
+/// KVMerger's accumulated attention, EMS's global-local scores).
+pub trait Score: Copy {
+    fn cmp_score(self, other: Self) -> Ordering;
+}
+
+impl Score for f32 {
+    fn cmp_score(self, other: f32) -> Ordering {
+        cmp_f32(self, other)
+    }
+}
+
+impl Score for f64 {
+    fn cmp_score(self, other: f64) -> Ordering {
+        cmp_f64(self, other)
+    }
+}
+
 /// Which of two equally scored positions survives.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Tie {
@@ -41,8 +59,8 @@ impl Tie {
 
 /// The `k` best of `candidates` (score descending, then the tie rule),
 /// returned ascending. `pos` maps a candidate to its position.
-pub fn top_k(
-    scores: &[f32],
+pub fn top_k<S: Score>(
+    scores: &[S],
     candidates: impl IntoIterator<Item = usize>,
     k: usize,
     pos: impl Fn(usize) -> usize,
@@ -54,7 +72,7 @@ pub fn top_k(
     }
     // Positions are distinct, so the order is total and the best k are one
     // set: partition them off (linear time), then sort only those.
-    let order = |a: &usize, b: &usize| cmp_f32(scores[*b], scores[*a]).then(tie.keep_order(pos(*a), pos(*b)));
+    let order = |a: &usize, b: &usize| scores[*b].cmp_score(scores[*a]).then(tie.keep_order(pos(*a), pos(*b)));
     if k < c.len() {
         c.select_nth_unstable_by(k - 1, order);
         c.truncate(k);
@@ -64,14 +82,28 @@ pub fn top_k(
 }
 
 /// The entry to evict among `candidates`: the lowest score, then the tie rule.
-pub fn victim(
-    scores: &[f32],
+pub fn victim<S: Score>(
+    scores: &[S],
     candidates: impl Iterator<Item = usize>,
     pos: impl Fn(usize) -> usize,
     tie: Tie,
 ) -> Option<usize> {
     // the minimum of "worth keeping": lowest score, then the one the tie rule drops
-    candidates.min_by(|&a, &b| cmp_f32(scores[a], scores[b]).then(tie.keep_order(pos(b), pos(a))))
+    candidates.min_by(|&a, &b| scores[a].cmp_score(scores[b]).then(tie.keep_order(pos(b), pos(a))))
+}
+
+/// Every candidate, from most to least worth keeping (score descending, then
+/// the tie rule): for rules that take consecutive ranks (EMS's centres, then
+/// its to-be-merged band).
+pub fn ranked<S: Score>(
+    scores: &[S],
+    candidates: impl IntoIterator<Item = usize>,
+    pos: impl Fn(usize) -> usize,
+    tie: Tie,
+) -> Vec<usize> {
+    let mut c: Vec<usize> = candidates.into_iter().collect();
+    c.sort_by(|&a, &b| scores[b].cmp_score(scores[a]).then(tie.keep_order(pos(a), pos(b))));
+    c
 }
 
 /// Positions a scorer keeps whatever their score, inside the budget: the first
@@ -98,7 +130,7 @@ impl Protect {
 
 /// Prompt positions kept from `p`: the protected ones plus the `count` best of
 /// the rest by `scores` (indexed by position; only candidates are read).
-pub fn keep_positions(p: usize, prot: Protect, scores: &[f32], count: usize, tie: Tie) -> Vec<usize> {
+pub fn keep_positions<S: Score>(p: usize, prot: Protect, scores: &[S], count: usize, tie: Tie) -> Vec<usize> {
     let (s, r) = (prot.sinks.min(p), prot.recent.min(p - prot.sinks.min(p)));
     let mut keep: Vec<usize> = (0..s).collect();
     keep.extend(top_k(scores, s..p - r, count, |i| i, tie));
@@ -119,6 +151,10 @@ mod tests {
         assert_eq!(victim(&[2.0, 1.0, 1.0], 0..3, |i| i, Tie::KeepLater), Some(1));
         assert_eq!(victim(&[2.0, 1.0, 1.0], 0..3, |i| i, Tie::KeepEarlier), Some(2));
         assert_eq!(top_k(&s, 0..5, 0, |i| i, Tie::KeepLater), Vec::<usize>::new());
+        assert_eq!(ranked(&s, 0..5, |i| i, Tie::KeepLater), vec![4, 2, 1, 3, 0]);
+        assert_eq!(ranked(&s, 0..5, |i| i, Tie::KeepEarlier), vec![1, 2, 4, 3, 0]);
+        let d = [1.0f64, 3.0, 3.0];
+        assert_eq!(top_k(&d, 0..3, 1, |i| i, Tie::KeepEarlier), vec![1]);
     }
 
     #[test]

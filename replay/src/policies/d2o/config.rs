@@ -1,7 +1,7 @@
 //! D2o's configuration: its parameters as typed values, read from a
 //! spec, and the types its parts share (a leaf of the module).
 
-use crate::select::cmp_f64;
+use crate::select::{top_k, Tie};
 use crate::params::{choice_enum, Params};
 use crate::ReplayError;
 
@@ -183,9 +183,9 @@ impl D2o {
         (0..z).for_each(|i| keep[i] = true);
         (recent_start.max(z)..p).for_each(|i| keep[i] = true);
         let n_top = if self.sinks_in_recent() { n } else { n - z };
-        let mut cand: Vec<usize> = (z..recent_start.max(z)).collect();
-        cand.sort_by(|&x, &y| cmp_f64(a[y], a[x]).then(x.cmp(&y)));
-        cand.iter().take(n_top).for_each(|&i| keep[i] = true);
+        // the reference keeps the earlier of equal scores
+        let top = top_k(a, z..recent_start.max(z), n_top, |i| i, Tie::KeepEarlier);
+        top.iter().for_each(|&i| keep[i] = true);
         (0..p).filter(|&i| !keep[i]).collect()
     }
 }

@@ -4,9 +4,9 @@
 
 use super::config::{D2o, HeadState};
 use super::budgets::counts;
+use crate::select::{victim, Tie};
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, StepCtx};
-use crate::select::cmp_f64;
 
 pub(super) struct Decode {
     cfg: D2o,
@@ -83,12 +83,8 @@ impl DecodeState for Decode {
             } else {
                 self.m
             };
-            let victim = (0..n.saturating_sub(recent))
-                .filter(|&e| !st.sink[e])
-                .min_by(|&x, &y| {
-                    cmp_f64(st.score[x], st.score[y]).then(st.anchor[x].cmp(&st.anchor[y]))
-                });
-            if let Some(e) = victim {
+            let cand = (0..n.saturating_sub(recent)).filter(|&e| !st.sink[e]);
+            if let Some(e) = victim(&st.score, cand, |e| st.anchor[e], Tie::KeepLater) {
                 evicts[ci] = vec![e];
             }
         }

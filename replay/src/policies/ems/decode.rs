@@ -7,9 +7,9 @@ use kvreplay_kernels::cpu::l2_norm;
 
 use super::entry::{cos_plus_normed, unit, Entry, HeadState, Slot};
 use super::config::{DemoteRank, Ems, Shape, ZeroClass};
+use crate::select::{victim, Tie};
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, StepCtx};
-use crate::select::cmp_f64;
 
 pub(super) struct Decode {
     cfg: Ems,
@@ -126,10 +126,10 @@ impl DecodeState for Decode {
                     }
                 };
                 let anchor = |e: usize| st.entries[e].as_ref().unwrap().anchor;
-                let c = *centres
-                    .iter()
-                    .min_by(|&&x, &&y| cmp_f64(rank(x), rank(y)).then(anchor(x).cmp(&anchor(y))))
-                    .unwrap();
+                let ranks: Vec<f64> = (0..st.entries.len())
+                    .map(|e| if st.entries[e].is_some() { rank(e) } else { 0.0 })
+                    .collect();
+                let c = victim(&ranks, centres.iter().copied(), anchor, Tie::KeepLater).unwrap();
                 let mut target = None;
                 if sh.n_tbm > 0 && cfg.tau < 1.0 {
                     let ec = st.entries[c].as_ref().unwrap();
@@ -228,9 +228,8 @@ impl DecodeState for Decode {
                 // zero-class slots go first (lowest sgl), then centre slots whose cluster keeps another
                 let is_zero = |i: usize| st.entries[st.slots[i].entry].as_ref().unwrap().zero;
                 let lowest = |pred: &dyn Fn(usize) -> bool| {
-                    (0..st.slots.len()).filter(|&i| pred(i)).min_by(|&x, &y| {
-                        cmp_f64(sgl[x], sgl[y]).then(st.slots[x].pos.cmp(&st.slots[y].pos))
-                    })
+                    let cand = (0..st.slots.len()).filter(|&i| pred(i));
+                    victim(&sgl, cand, |i| st.slots[i].pos, Tie::KeepLater)
                 };
                 let victim = lowest(&is_zero).or_else(|| {
                     lowest(&|i: usize| {

@@ -6,8 +6,8 @@ use kvreplay_kernels::cpu::l2_norm;
 
 use super::entry::{unit, Entry, HeadState, Slot, EPS};
 use super::config::{Ems, Shape, ZeroClass};
+use crate::select::{ranked, Tie};
 use crate::policy::{pool1d, Pool, PrefillCtx};
-use crate::select::cmp_f32;
 
 /// (s_glo, s_loc) of one query head over the prompt positions.
 type Scores = (Vec<f64>, Vec<f64>);
@@ -134,8 +134,8 @@ impl Ems {
                 self.kernel,
                 Pool::Avg,
             );
-            let mut order: Vec<usize> = (0..c_len).collect();
-            order.sort_by(|&a, &b| cmp_f32(pooled[b], pooled[a]).then(a.cmp(&b)));
+            // centres, then the to-be-merged band, by rank; ties: the earlier position
+            let order = ranked(&pooled, 0..c_len, |i| i, Tie::KeepEarlier);
             let mut imp: Vec<usize> = order[..sh.n_imp.min(c_len)].to_vec();
             imp.sort_unstable();
             let tbm_n = sh.n_tbm.min(c_len - imp.len());

@@ -28,10 +28,10 @@ mod sets;
 
 use std::sync::Arc;
 
+use crate::select::{top_k, Tie};
 use crate::info::{Build, Caps, Family, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
-use crate::select::cmp_f64;
 use crate::params::{Kind, ParamInfo};
 use crate::ReplayError;
 
@@ -100,9 +100,8 @@ impl Policy for KvMerger {
             let mut protected = vec![false; t];
             (t - n_rec..t).for_each(|i| protected[i] = true);
             (0..sinks).for_each(|i| protected[i] = true);
-            let mut cand: Vec<usize> = (sinks..t - n_rec).collect();
-            cand.sort_by(|&x, &y| cmp_f64(a[y], a[x]).then(x.cmp(&y)));
-            for &i in cand.iter().take(n_hh.saturating_sub(sinks)) {
+            // heavy hitters; the reference keeps the earlier of equal scores
+            for i in top_k(&a, sinks..t - n_rec, n_hh.saturating_sub(sinks), |i| i, Tie::KeepEarlier) {
                 protected[i] = true;
             }
             let n_prot = protected.iter().filter(|x| **x).count();
