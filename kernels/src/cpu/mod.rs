@@ -18,4 +18,4 @@ pub use norm::{argmax, embedding, rms_norm, silu_mul};
 pub use rope::{
     apply_rope, rope_table, rotate_with_table, unapply_rope, RopeCache, RopeParams, RopeStyle,
 };
-pub use vector::{cosine, fake_quant, l2_norm, l2_norm_f32, softmax_f64_norm};
+pub use vector::{cosine, fake_quant, l2_norm, l2_norm_f32, softmax_f64, softmax_f64_norm};

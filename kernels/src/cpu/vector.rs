@@ -54,6 +54,15 @@ pub fn fake_quant(x: &mut [f32], bits: u32) {
     }
 }
 
+/// Softmax of f64 values (max-shifted; D2O's layer shares).
+#[inline]
+pub fn softmax_f64(x: &[f64]) -> Vec<f64> {
+    let mx = x.iter().cloned().fold(f64::MIN, f64::max);
+    let e: Vec<f64> = x.iter().map(|y| (y - mx).exp()).collect();
+    let z: f64 = e.iter().sum();
+    e.iter().map(|y| y / z).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -82,5 +91,7 @@ mod tests {
         let mut x = [0.0f32, 3f32.ln()];
         softmax_f64_norm(&mut x);
         assert!((x[0] - 0.25).abs() < 1e-7 && (x[1] - 0.75).abs() < 1e-7);
+        let y = softmax_f64(&[0.0, 3f64.ln()]);
+        assert!((y[0] - 0.25).abs() < 1e-15 && (y[1] - 0.75).abs() < 1e-15);
     }
 }

@@ -19,12 +19,7 @@ impl D2o {
             .iter()
             .map(|c| (0..n_heads).map(|h| var(&c[h * p..(h + 1) * p])).collect())
             .collect();
-        let softmax = |x: Vec<f64>| {
-            let mx = x.iter().cloned().fold(f64::MIN, f64::max);
-            let e: Vec<f64> = x.iter().map(|y| (y - mx).exp()).collect();
-            let z: f64 = e.iter().sum();
-            e.iter().map(|y| y / z).collect::<Vec<f64>>()
-        };
+        let softmax = |x: Vec<f64>| kvreplay_kernels::cpu::softmax_f64(&x);
         let raw: Vec<f64> = v
             .iter()
             .map(|vh| vh.iter().sum::<f64>() / vh.len() as f64)
