@@ -60,7 +60,7 @@ fn ref_top(scores: &[f64], cand: impl Iterator<Item = usize>, k: usize) -> Vec<u
 
 /// Equal sets, except for swaps among candidates whose reference scores tie
 /// with the cut up to `tol` (relative): f32 scoring in the engine and f64 here
-/// may order near-ties differently (landscape.md B3, "Ties").
+/// may order near-ties differently (replay/SEMANTICS.md, "GQA and ties").
 fn assert_same_up_to_ties(what: &str, got: &[usize], want: &[usize], scores: &[f64], tol: f64) {
     if got == want {
         return;

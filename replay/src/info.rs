@@ -74,6 +74,9 @@ pub enum Phase {
     DecodeByDefault,
     /// Prefill-only by default, decode-time with `decode_evict=true`.
     PrefillByDefault,
+    /// A scorer wrapper: acts when its scorer does (the default scorer's
+    /// phase is what `holds_capacity` describes).
+    AsScorer,
 }
 
 /// What a policy does, as `kvreplay policies`, the tests and SEMANTICS.md
@@ -116,11 +119,6 @@ impl Caps {
         holds_capacity: true,
         ..Caps::EVICT_PREFILL
     };
-
-    /// Whether the policy acts during decode under its defaults.
-    pub fn decodes_by_default(&self) -> bool {
-        matches!(self.phase, Phase::Decode | Phase::DecodeByDefault)
-    }
 }
 
 /// A registered policy: what `kvreplay policies` lists and specs resolve to.

@@ -1,4 +1,5 @@
-//! The causal policy interface and the selection helpers policies share.
+//! The causal policy interface (`Policy`, `PrefillCtx`, `StepCtx`) and the
+//! small helpers policies share (group means, pooling, SplitMix64).
 //!
 //! A policy sees, at the end of prefill, only the prompt of one layer (its
 //! q/k/v and prompt attention statistics) through [`PrefillCtx`], and returns

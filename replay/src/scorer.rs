@@ -25,8 +25,10 @@ pub struct Unit {
 /// How much each prompt position of a layer is worth.
 pub trait Scorer: Send + Sync {
     /// Scores of `unit`'s prompt positions, indexed by position, higher kept.
-    /// Protected positions (sinks, the recent window) are never read, so the
-    /// vector may stop before the window: (P − recent,) at least.
+    /// Protected positions (sinks, the recent window) are never read at
+    /// prefill, so a prefill-only scorer's vector may stop before the window,
+    /// (P − recent,); a decode-time scorer returns all (P,) (the kept
+    /// positions' scores start its decode scores).
     fn score(&self, ctx: &PrefillCtx, unit: &Unit) -> Vec<f32>;
 
     /// Positions kept inside budget `b` whatever their score.
@@ -176,14 +178,17 @@ pub trait EvictMergeState: Send {
 /// The shared selection over any scorer: a policy in its own right (every
 /// scorer is one) and the body of the allocation and merge wrappers.
 pub struct TopK {
+    /// The registered name (for messages).
+    pub name: &'static str,
     pub scorer: Arc<dyn Scorer>,
     pub allocation: Allocation,
     pub merge: Option<Arc<dyn EvictMerge>>,
 }
 
 impl TopK {
-    pub fn new(scorer: Arc<dyn Scorer>) -> TopK {
+    pub fn new(name: &'static str, scorer: Arc<dyn Scorer>) -> TopK {
         TopK {
+            name,
             scorer,
             allocation: Allocation::Uniform,
             merge: None,
@@ -220,6 +225,10 @@ impl TopK {
 }
 
 impl Policy for TopK {
+    fn name(&self) -> String {
+        self.name.to_string()
+    }
+
     fn prefill(
         &self,
         ctx: &PrefillCtx,
@@ -250,6 +259,16 @@ impl Policy for TopK {
         } else {
             vec![Vec::new(); units.len()]
         };
+        let short = |want: usize| scores.iter().any(|s| s.len() < want);
+        if (decoding && short(p)) || (selecting && short(p - prot.recent.min(p))) {
+            return Err(ReplayError::Contract {
+                policy: self.name.to_string(),
+                msg: format!(
+                    "its scorer returned fewer scores than the {} positions it must score",
+                    if decoding { p } else { p - prot.recent.min(p) }
+                ),
+            });
+        }
         let (kept, capacity): (Vec<Vec<usize>>, Vec<usize>) = if compress {
             let counts = self.counts(ctx, prot, &scores);
             units
@@ -328,6 +347,8 @@ impl DecodeState for Evict {
             self.step.observe(ctx, c, cache);
             while cache.len() > self.capacity[c] {
                 let room = cache.len().saturating_sub(self.prot.total());
+                // capacity >= protected entries, so there is always a candidate
+                debug_assert!(room > 0, "capacity below the protected entries");
                 if room == 0 {
                     break;
                 }

@@ -143,9 +143,6 @@ fn accepted(
                 .map_or(p.default, |(_, v)| *v);
             out.push((scorer_key(info.params, sc.name, p.name), *p, default.to_string()));
         }
-        if let Some(x) = out.iter_mut().find(|x| x.0 == "scorer") {
-            x.2 = default_scorer.to_string();
-        }
     }
     Ok(out)
 }
@@ -171,7 +168,14 @@ pub fn parse_one(s: &str) -> Result<Params, ReplayError> {
                 spec: s.into(),
                 msg: format!("`{kv}` is not key=value"),
             })?;
-            given.push((k.trim(), v.trim()));
+            let k = k.trim();
+            if given.iter().any(|(g, _)| *g == k) {
+                return Err(ReplayError::BadSpec {
+                    spec: s.into(),
+                    msg: format!("`{k}` is given twice; give each parameter once"),
+                });
+            }
+            given.push((k, v.trim()));
         }
     }
     let params = accepted(info, &given)?;
@@ -259,7 +263,7 @@ impl PolicySpec {
             let info = find(part.policy).expect("parsed names exist");
             policy = Some(match (info.build, policy) {
                 (Build::Policy(f), None) => f(part)?,
-                (Build::Scorer(f), None) => Arc::new(TopK::new(f(part)?)),
+                (Build::Scorer(f), None) => Arc::new(TopK::new(info.name, f(part)?)),
                 (Build::ScorerWrapper { build, .. }, None) => {
                     let sp = part.scorer_params()?;
                     let scorer = match find(sp.policy).map(|i| i.build) {
@@ -308,6 +312,10 @@ mod tests {
             PolicySpec::parse("snapkv+quant:bits=2").unwrap().short(),
             "snapkv+quant"
         );
+        let e = PolicySpec::parse("adakv:scorer=h2o,scorer=snapkv")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`scorer` is given twice"), "{e}");
         let e = PolicySpec::parse("quant:bits=3").unwrap_err().to_string();
         assert!(e.contains("bits") && e.contains("2, 4, 8"), "{e}");
     }

@@ -53,6 +53,12 @@ const EXTRA_SPECS: &[&str] = &[
     "minicache:start=0.3,rule=top_fraction",
     "minicache:start=0.3,merge=mean",
     "ems:window=2",
+    "pyramidkv:scorer=h2o,recent=2,beta=2",
+    "pyramidkv:scorer=knorm,skip_layers=none",
+    "adakv:scorer=h2o,recent=2",
+    "adakv:scorer=ahakv,recent=2,alpha=0.5",
+    "cam:scorer=h2o,recent=2,expected=true",
+    "cam:scorer=random,random.seed=2,m=4",
 ];
 
 fn golden_dir() -> PathBuf {

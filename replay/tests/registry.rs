@@ -82,6 +82,9 @@ fn readme_and_semantics_list_what_the_registry_says() {
     for p in REGISTRY {
         if let Build::ScorerWrapper { default_scorer, .. } = p.build {
             assert!(listing.contains(&format!("default {default_scorer}")), "{}", p.name);
+            // one source of truth for the default scorer
+            let param = p.params.iter().find(|x| x.name == "scorer").expect("a scorer parameter");
+            assert_eq!(param.default, default_scorer, "{}", p.name);
         }
     }
 }

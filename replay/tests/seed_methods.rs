@@ -1,7 +1,7 @@
 //! Known-answer tests for the seed methods (EMS, AhaKV, D2O, KVMerger,
 //! MiniCache): hand-built layers of a few positions whose expected caches
 //! (kept positions, merged keys and values, bit costs) are computed here
-//! independently, in f64, from the rules of the specs in shared/specs.
+//! independently, in f64, from the rules in docs/methods.
 
 mod common;
 

@@ -11,21 +11,21 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Family, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::scorer::{Allocation, TopK};
 use crate::params::{Kind, ParamInfo};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "adakv",
-    summary: "redistributes a layer's budget across KV heads by where a scorer's top scores fall; prefill only",
+    summary: "redistributes a layer's budget across KV heads by where a scorer's top scores fall (default: SnapKV)",
     paper: "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation (Feng et al., arXiv 2407.11550); FFY0/AdaKV",
     params: &[
         ParamInfo { name: "scorer", default: "snapkv", kind: Kind::Scorer, help: "the scorer compared across heads (its parameters are accepted too)" },
         ParamInfo { name: "alpha", default: "0.2", kind: Kind::Float, help: "safeguard: share of P every head keeps" },
         ParamInfo { name: "normalize", default: "false", kind: Kind::Bool, help: "scale each head's scores by its top-P share" },
     ],
-    caps: Caps { family: Family::Allocation, ..Caps::EVICT_PREFILL },
+    caps: Caps { family: Family::Allocation, phase: Phase::AsScorer, ..Caps::EVICT_PREFILL },
     test: "adakv_gives_every_scorer_per_head_budgets",
     build: Build::ScorerWrapper {
         default_scorer: "snapkv",
@@ -36,7 +36,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
                 return Err(ReplayError::BadParam { policy: "adakv".into(), key: "alpha".into(), value: alpha.to_string(), msg: "must lie in [0, 1]".into() });
             }
             let allocation = Allocation::Ada { alpha, normalize: p.bool("normalize")? };
-            Ok(Arc::new(TopK { scorer, allocation, merge: None }))
+            Ok(Arc::new(TopK { allocation, ..TopK::new("adakv", scorer) }))
         },
     },
 };

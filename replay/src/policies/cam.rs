@@ -16,7 +16,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Family, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::HeadCache;
 use crate::policy::{mean_rows, PrefillCtx, SplitMix64, StepCtx};
 use crate::scorer::{EvictMerge, EvictMergeState, TopK, Unit};
@@ -32,14 +32,14 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "seed", default: "0", kind: Kind::Int, help: "seed of the Bernoulli merge gate; (seed, layer, head) fixes each draw" },
         ParamInfo { name: "expected", default: "false", kind: Kind::Bool, help: "use b = p_e instead of a Bernoulli draw (deterministic, lower variance)" },
     ],
-    caps: Caps { family: Family::Merging, merges: true, ..Caps::EVICT_DECODE },
+    caps: Caps { family: Family::Merging, phase: Phase::AsScorer, merges: true, ..Caps::EVICT_DECODE },
     test: "cam_merges_evicted_values_forward_with_the_gate",
     build: Build::ScorerWrapper {
         default_scorer: "streaming_llm",
         scorer_defaults: &[],
         build: |p, scorer| {
             let cam = Cam { m: p.int("m")?.max(1), seed: p.int("seed")? as u64, expected: p.bool("expected")? };
-            Ok(Arc::new(TopK { merge: Some(Arc::new(cam)), ..TopK::new(scorer) }))
+            Ok(Arc::new(TopK { merge: Some(Arc::new(cam)), ..TopK::new("cam", scorer) }))
         },
     },
 };

@@ -81,6 +81,7 @@ pub fn listing() -> String {
             Phase::Decode => "acts at every decode step",
             Phase::DecodeByDefault => "acts at every decode step (decode_evict=false: prefill only)",
             Phase::PrefillByDefault => "prefill only (decode_evict=true: also at every decode step)",
+            Phase::AsScorer => "acts when its scorer does (prefill, or also at every decode step for a decode-time scorer)",
         };
         let mut flags = vec![c.family.name(), phase];
         for (on, what) in [
@@ -102,7 +103,7 @@ pub fn listing() -> String {
         }
         out.push('\n');
     }
-    out.push_str("Spec syntax: NAME, NAME:key=value,key=value, WRAPPER:scorer=SCORER (e.g. adakv:scorer=tova), or BASE+WRAPPER (e.g. snapkv:w=16+quant:bits=2).\n");
+    out.push_str("Spec syntax: NAME, NAME:key=value,key=value, WRAPPER:scorer=SCORER (e.g. adakv:scorer=h2o), or BASE+WRAPPER (e.g. snapkv:w=16+quant:bits=2).\n");
     out
 }
 

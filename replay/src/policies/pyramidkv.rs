@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Family, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::scorer::{Allocation, TopK};
 use crate::params::{Kind, ParamInfo};
 
@@ -23,14 +23,14 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "scorer", default: "snapkv", kind: Kind::Scorer, help: "the scorer whose selection gets the per-layer budgets (its parameters are accepted too)" },
         ParamInfo { name: "beta", default: "20", kind: Kind::Int, help: "min = ⌊(B − w)/beta⌋ selected entries in the last layer" },
     ],
-    caps: Caps { family: Family::Allocation, ..Caps::EVICT_PREFILL },
+    caps: Caps { family: Family::Allocation, phase: Phase::AsScorer, ..Caps::EVICT_PREFILL },
     test: "pyramidkv_gives_every_scorer_per_layer_budgets",
     build: Build::ScorerWrapper {
         default_scorer: "snapkv",
         scorer_defaults: &[("w", "8")],
         build: |p, scorer| {
             let beta = p.int("beta")?.max(1);
-            Ok(Arc::new(TopK { scorer, allocation: Allocation::Pyramid { beta }, merge: None }))
+            Ok(Arc::new(TopK { allocation: Allocation::Pyramid { beta }, ..TopK::new("pyramidkv", scorer) }))
         },
     },
 };

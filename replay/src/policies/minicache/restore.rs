@@ -144,7 +144,7 @@ impl MiniCache {
                     (m.na, m.nb) = (l2_norm_f32(x), l2_norm_f32(y));
                 }
                 if self.b_dir < 16 {
-                    // quantise the stored direction, then re-normalise it (landscape.md A5.10)
+                    // quantise the stored direction, then re-normalise it (docs/methods/minicache.md)
                     for chunk in m.e.chunks_mut(DIR_GROUP) {
                         kvreplay_kernels::cpu::fake_quant(chunk, self.b_dir);
                     }
