@@ -88,25 +88,11 @@ pub fn random_layer(seed: u64, nh: usize, nkv: usize, d: usize, p: usize, t: usi
     }
     let scale = 1.0 / (d as f32).sqrt();
     let group = nh / nkv;
-    let mut colsum = vec![0f32; nh * p];
-    for h in 0..nh {
-        let g = h / group;
-        for j in 0..p {
-            let l: Vec<f64> = (0..=j)
-                .map(|i| {
-                    (0..d)
-                        .map(|c| q[(h * t + j) * d + c] as f64 * k[(g * t + i) * d + c] as f64)
-                        .sum::<f64>()
-                        * scale as f64
-                })
-                .collect();
-            let mx = l.iter().cloned().fold(f64::MIN, f64::max);
-            let z: f64 = l.iter().map(|x| (x - mx).exp()).sum();
-            for i in 0..=j {
-                colsum[h * p + i] += ((l[i] - mx).exp() / z) as f32;
-            }
-        }
-    }
+    let colsum = exact_colsums(nh, group, p, scale, |h, g, j, i| {
+        (0..d)
+            .map(|c| q[(h * t + j) * d + c] as f64 * k[(g * t + i) * d + c] as f64)
+            .sum::<f64>()
+    });
     LayerData {
         layer: 0,
         n_layers: 1,
@@ -263,27 +249,13 @@ pub fn explicit_layer(
             })
             .collect()
     };
-    let mut colsum = vec![0f32; nh * prompt_len];
-    for h in 0..nh {
-        let g = h / group;
-        for j in 0..prompt_len {
-            let l: Vec<f64> = (0..=j)
-                .map(|i| {
-                    q[h][j]
-                        .iter()
-                        .zip(&k[g][i])
-                        .map(|(a, b)| *a as f64 * *b as f64)
-                        .sum::<f64>()
-                        * scale as f64
-                })
-                .collect();
-            let mx = l.iter().cloned().fold(f64::MIN, f64::max);
-            let z: f64 = l.iter().map(|x| (x - mx).exp()).sum();
-            for i in 0..=j {
-                colsum[h * prompt_len + i] += ((l[i] - mx).exp() / z) as f32;
-            }
-        }
-    }
+    let colsum = exact_colsums(nh, group, prompt_len, scale, |h, g, j, i| {
+        q[h][j]
+            .iter()
+            .zip(&k[g][i])
+            .map(|(a, b)| *a as f64 * *b as f64)
+            .sum::<f64>()
+    });
     LayerData {
         layer: 0,
         n_layers: 1,
@@ -345,4 +317,29 @@ pub fn run_steps(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<HeadCac
         .into_iter()
         .map(|mut layers| layers.remove(0))
         .collect()
+}
+
+/// Exact causal column sums over a prompt of `p`: per query head h (reading
+/// KV head h / group), the f64 softmax of `scale · dot(h, g, j, i)` over keys
+/// i <= j, summed over the rows j; (n_heads, P) as f32.
+pub fn exact_colsums(
+    nh: usize,
+    group: usize,
+    p: usize,
+    scale: f32,
+    dot: impl Fn(usize, usize, usize, usize) -> f64,
+) -> Vec<f32> {
+    let mut colsum = vec![0f32; nh * p];
+    for h in 0..nh {
+        let g = h / group;
+        for j in 0..p {
+            let l: Vec<f64> = (0..=j).map(|i| dot(h, g, j, i) * scale as f64).collect();
+            let mx = l.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = l.iter().map(|x| (x - mx).exp()).sum();
+            for i in 0..=j {
+                colsum[h * p + i] += ((l[i] - mx).exp() / z) as f32;
+            }
+        }
+    }
+    colsum
 }
