@@ -65,10 +65,13 @@ impl Plan {
                 "a sweep needs at least one trace, one --policy and one --budget".into(),
             ));
         }
-        let specs = policies
+        let mut specs = policies
             .iter()
             .map(|p| Ok(PolicySpec::parse(p)?.canonical()))
-            .collect::<Result<Vec<_>, SweepError>>()?;
+            .collect::<Result<Vec<String>, SweepError>>()?;
+        // equivalent specs (`h2o`, `h2o:recent=half`) are one policy: plan it once
+        let mut seen = std::collections::HashSet::new();
+        specs.retain(|s| seen.insert(s.clone()));
         let mut names = std::collections::HashSet::new();
         for t in traces {
             let tr = Trace::open(t).map_err(ReplayError::from)?;

@@ -299,3 +299,18 @@ fn extreme_logits_keep_every_metric_finite() {
         }
     }
 }
+
+#[test]
+fn equivalent_specs_are_planned_once() {
+    // `h2o` and `h2o:recent=half` are the same policy; they once gave
+    // duplicate rows in results.csv and summary.csv
+    let tmp = tempfile::tempdir().unwrap();
+    let t = write_trace(tmp.path(), "a.kvtrace", 1, 12, 14);
+    let specs: Vec<String> = ["h2o", "h2o:recent=half", "snapkv", "h2o:decode_evict=true"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let plan = Plan::new(&[t], &specs, &[4]).unwrap();
+    assert_eq!(plan.policies.len(), 2, "{:?}", plan.policies);
+    assert!(plan.policies[0].starts_with("h2o:") && plan.policies[1].starts_with("snapkv:"));
+}

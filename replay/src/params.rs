@@ -64,6 +64,22 @@ impl Params {
             .parse()
             .map_err(|_| self.bad(key, "expected a number".into()))
     }
+    /// A number in [lo, hi].
+    pub fn float_in(&self, key: &str, lo: f64, hi: f64) -> Result<f64, ReplayError> {
+        let x = self.float(key)?;
+        if !(lo..=hi).contains(&x) {
+            return Err(self.bad(key, format!("must lie in [{lo}, {hi}]")));
+        }
+        Ok(x)
+    }
+    /// A number above 0.
+    pub fn float_positive(&self, key: &str) -> Result<f64, ReplayError> {
+        let x = self.float(key)?;
+        if !(x > 0.0) {
+            return Err(self.bad(key, "must be above 0".into()));
+        }
+        Ok(x)
+    }
     pub fn bool(&self, key: &str) -> Result<bool, ReplayError> {
         match self.raw(key) {
             "true" | "1" | "yes" => Ok(true),

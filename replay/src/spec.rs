@@ -235,6 +235,14 @@ impl PolicySpec {
                 });
             }
         }
+        for (i, p) in parts.iter().enumerate() {
+            if parts[..i].iter().any(|q| q.policy == p.policy) {
+                return Err(ReplayError::BadSpec {
+                    spec: s.into(),
+                    msg: format!("`{}` appears twice; compose each wrapper once", p.policy),
+                });
+            }
+        }
         Ok(PolicySpec { parts })
     }
 
@@ -318,5 +326,35 @@ mod tests {
         assert!(e.contains("`scorer` is given twice"), "{e}");
         let e = PolicySpec::parse("quant:bits=3").unwrap_err().to_string();
         assert!(e.contains("bits") && e.contains("2, 4, 8"), "{e}");
+    }
+
+    #[test]
+    fn a_wrapper_repeated_in_a_spec_is_refused() {
+        // applied twice, quant re-quantised quantised entries and its byte
+        // count wrapped below zero (4.6e18 bytes)
+        let e = PolicySpec::parse("snapkv+quant+quant:bits=2")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`quant` appears twice"), "{e}");
+        assert!(PolicySpec::parse("snapkv+quant:bits=2").is_ok());
+    }
+
+    #[test]
+    fn out_of_range_minicache_and_kvmerger_parameters_are_refused() {
+        for (spec, key) in [
+            ("minicache:gamma=1.5", "gamma"),
+            ("minicache:rho=-0.1", "rho"),
+            ("minicache:t=2", "t"),
+            ("minicache:start=1.5", "start"),
+            ("kvmerger:sigma=fixed,sigma0=0", "sigma0"),
+            ("kvmerger:sigma0=-1", "sigma0"),
+        ] {
+            let e = match PolicySpec::parse(spec).and_then(|s| s.build()) {
+                Ok(_) => panic!("{spec} was accepted"),
+                Err(e) => e.to_string(),
+            };
+            assert!(e.contains(&format!("`{key}`")), "{spec}: {e}");
+        }
+        assert!(PolicySpec::parse("minicache:gamma=1,rho=0").unwrap().build().is_ok());
     }
 }

@@ -128,7 +128,7 @@ impl KvMerger {
             beta,
             budget_mode: p.choice("budget_mode")?,
             sigma: p.choice("sigma")?,
-            sigma0: p.float("sigma0")?,
+            sigma0: p.float_positive("sigma0")?,
             exclude_pivot: p.bool("exclude_pivot_in_sigma")?,
             pivot: p.choice("pivot")?,
             seed: p.int("seed")? as u64,

@@ -58,14 +58,14 @@ impl MiniCache {
     pub(super) fn from_params(p: &Params) -> Result<MiniCache, ReplayError> {
         let start = match p.word("start") {
             "budget" => None,
-            _ => Some(p.float("start")?),
+            _ => Some(p.float_in("start", 0.0, 1.0)?),
         };
         Ok(MiniCache {
             start,
-            t: p.float("t")? as f32,
-            gamma: p.float("gamma")?,
+            t: p.float_in("t", 0.0, 1.0)? as f32,
+            gamma: p.float_in("gamma", 0.0, 1.0)?,
             rule: p.choice("rule")?,
-            rho: p.float("rho")?,
+            rho: p.float_in("rho", 0.0, 1.0)?,
             scope: p.choice("scope")?,
             shared_from_k: p.bool("shared_from_k")?,
             merge_decode: p.bool("merge_decode")?,
