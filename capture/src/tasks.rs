@@ -109,7 +109,8 @@ pub fn build(spec: &str, model: &Model) -> Result<TaskPrompt, CaptureError> {
     }
 }
 
-/// Join sentences, inserting `inserts` (text, span name) before sentence index i.
+/// Join sentences, inserting `inserts` (text, span name) before sentence index
+/// i (after the last sentence when i is past the end).
 fn assemble(
     head: &str,
     body: &[String],
@@ -130,6 +131,12 @@ fn assemble(
         text.push(' ');
         text.push_str(s);
     }
+    for (_, ins, name) in inserts.iter().filter(|x| x.0 >= body.len()) {
+        text.push(' ');
+        let start = text.len();
+        text.push_str(ins);
+        spans.push((name.clone(), start..text.len()));
+    }
     text.push(' ');
     let start = text.len();
     text.push_str(tail);
@@ -141,6 +148,18 @@ fn assemble(
     }
 }
 
+/// A length whose filler is empty cannot hold the task's text where the task
+/// puts it: refuse it with the smallest length that can.
+fn too_short(task: &str, length: usize, fixed: usize, body: &[String]) -> Result<(), CaptureError> {
+    if body.is_empty() {
+        return Err(CaptureError::InvalidOption(format!(
+            "--task {task}:length={length}: the task's own text is {fixed} tokens, so a prompt of {length} tokens cannot hold it with any filler; use length={} or more",
+            fixed + 3
+        )));
+    }
+    Ok(())
+}
+
 fn passkey(model: &Model, length: usize, depth: f64) -> Result<TaskPrompt, CaptureError> {
     let head = "There is a pass key hidden in the text below. Find it and remember it.";
     let needle = "The pass key is 68142. Remember it: 68142 is the pass key.";
@@ -150,6 +169,7 @@ fn passkey(model: &Model, length: usize, depth: f64) -> Result<TaskPrompt, Captu
         .encode(&format!("{head} {needle} {question}"))?
         .len();
     let body = filler(model, length.saturating_sub(fixed + 2))?;
+    too_short("passkey", length, fixed, &body)?;
     let at = ((body.len() as f64) * depth).round() as usize;
     Ok(assemble(
         head,
@@ -182,6 +202,7 @@ fn multifact(model: &Model, length: usize, facts: usize) -> Result<TaskPrompt, C
             .map(|i| model.tokenizer.encode(&fact(i)).map(|v| v.len()))
             .sum::<Result<usize, _>>()?;
     let body = filler(model, length.saturating_sub(fixed + 2))?;
+    too_short("multifact", length, fixed, &body)?;
     let inserts: Vec<(usize, String, String)> = (0..facts)
         .map(|i| {
             (
@@ -197,7 +218,7 @@ fn multifact(model: &Model, length: usize, facts: usize) -> Result<TaskPrompt, C
         .iter()
         .find(|s| s.0 == format!("fact{ask}"))
         .map(|s| s.1.clone())
-        .expect("asked fact exists");
+        .ok_or_else(|| CaptureError::InvalidOption(format!("--task multifact: fact {ask} was not placed")))?;
     t.spans.push(("needle".into(), needle));
     Ok(t)
 }

@@ -319,3 +319,32 @@ fn bad_capture_inputs_are_explained_and_leave_nothing() {
     ));
     assert!(e.contains("file"), "{e}");
 }
+
+#[test]
+fn task_lengths_that_cannot_hold_the_task_are_refused() {
+    // passkey:length=40 once dropped its pass key and span silently, and
+    // multifact:length=1,facts=1 panicked
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load(tmp.path());
+    for spec in ["passkey:length=40,depth=0.5", "multifact:length=1,facts=1"] {
+        let e = match kvreplay_capture::tasks::build(spec, &m) {
+            Ok(_) => panic!("{spec} was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("cannot hold it") && e.contains("use length="), "{spec}: {e}");
+    }
+    let t = kvreplay_capture::tasks::build("multifact:length=4000,facts=3", &m).unwrap();
+    assert!(t.spans.iter().any(|s| s.0 == "needle"));
+}
+
+#[test]
+fn a_pass_key_at_depth_one_keeps_its_needle() {
+    // depth 1 puts the needle after the last filler sentence, not nowhere
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load(tmp.path());
+    let t = kvreplay_capture::tasks::build("passkey:length=2000,depth=1", &m).unwrap();
+    let needle = t.spans.iter().find(|s| s.0 == "needle").expect("a needle span");
+    assert!(t.text[needle.1.clone()].contains("68142"));
+    let q = t.spans.iter().find(|s| s.0 == "question").unwrap();
+    assert!(needle.1.end <= q.1.start, "the needle comes before the question");
+}
