@@ -314,3 +314,16 @@ fn equivalent_specs_are_planned_once() {
     assert_eq!(plan.policies.len(), 2, "{:?}", plan.policies);
     assert!(plan.policies[0].starts_with("h2o:") && plan.policies[1].starts_with("snapkv:"));
 }
+
+#[test]
+fn claims_on_a_too_short_prompt_say_so() {
+    // a one-token prompt once panicked inside the MiniCache claims
+    let tmp = tempfile::tempdir().unwrap();
+    let t = Trace::open(write_trace(tmp.path(), "one.kvtrace", 3, 1, 4)).unwrap();
+    let e = kvreplay_analysis::claims::measure(&t).unwrap_err().to_string();
+    assert!(e.contains("1-token prompt") && e.contains("at least 64"), "{e}");
+    // at the minimum every claim is measured without a panic
+    let t = Trace::open(write_trace(tmp.path(), "min.kvtrace", 3, 64, 70)).unwrap();
+    let claims = kvreplay_analysis::claims::measure(&t).unwrap();
+    assert!(claims.len() > 40, "{} claims", claims.len());
+}

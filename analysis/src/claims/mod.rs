@@ -42,14 +42,25 @@ use minicache::minicache;
 pub use ctx::{Claim, Verdict};
 use ctx::Ctx;
 
+/// The shortest prompt the claims measure (windows of 32, budgets of P/4).
+pub const MIN_PROMPT: usize = 64;
+
 /// Every claim, measured on `trace`. Replays run at budgets derived from the
 /// prompt length P (B = P/4 unless a claim names another).
 pub fn measure(trace: &Trace) -> Result<Vec<Claim>, ReplayError> {
+    let p = trace.manifest.prompt_len();
+    if p < MIN_PROMPT {
+        return Err(ReplayError::TraceLacks {
+            path: trace.dir().display().to_string(),
+            msg: format!(
+                "has a {p}-token prompt; the claims need at least {MIN_PROMPT} (their windows are 32 tokens and their budgets P/4): capture a longer prompt, e.g. --task passkey:length=1024"
+            ),
+        });
+    }
     let colsums = prompt_colsums(trace);
     let layers: Vec<LayerData> = (0..trace.n_layers())
         .map(|l| load_layer_shared(trace, l, &colsums))
         .collect();
-    let p = trace.manifest.prompt_len();
     let mut c = Ctx {
         trace,
         tr: kvreplay_replay::TraceReplay::new(trace, &Default::default())?,
