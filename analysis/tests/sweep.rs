@@ -320,8 +320,13 @@ fn claims_on_a_too_short_prompt_say_so() {
     // a one-token prompt once panicked inside the MiniCache claims
     let tmp = tempfile::tempdir().unwrap();
     let t = Trace::open(write_trace(tmp.path(), "one.kvtrace", 3, 1, 4)).unwrap();
-    let e = kvreplay_analysis::claims::measure(&t).unwrap_err().to_string();
-    assert!(e.contains("1-token prompt") && e.contains("at least 64"), "{e}");
+    let e = kvreplay_analysis::claims::measure(&t)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("1-token prompt") && e.contains("at least 64"),
+        "{e}"
+    );
     // at the minimum every claim is measured without a panic
     let t = Trace::open(write_trace(tmp.path(), "min.kvtrace", 3, 64, 70)).unwrap();
     let claims = kvreplay_analysis::claims::measure(&t).unwrap();

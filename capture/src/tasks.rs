@@ -218,7 +218,9 @@ fn multifact(model: &Model, length: usize, facts: usize) -> Result<TaskPrompt, C
         .iter()
         .find(|s| s.0 == format!("fact{ask}"))
         .map(|s| s.1.clone())
-        .ok_or_else(|| CaptureError::InvalidOption(format!("--task multifact: fact {ask} was not placed")))?;
+        .ok_or_else(|| {
+            CaptureError::InvalidOption(format!("--task multifact: fact {ask} was not placed"))
+        })?;
     t.spans.push(("needle".into(), needle));
     Ok(t)
 }

@@ -331,7 +331,10 @@ fn task_lengths_that_cannot_hold_the_task_are_refused() {
             Ok(_) => panic!("{spec} was accepted"),
             Err(e) => e.to_string(),
         };
-        assert!(e.contains("cannot hold it") && e.contains("use length="), "{spec}: {e}");
+        assert!(
+            e.contains("cannot hold it") && e.contains("use length="),
+            "{spec}: {e}"
+        );
     }
     let t = kvreplay_capture::tasks::build("multifact:length=4000,facts=3", &m).unwrap();
     assert!(t.spans.iter().any(|s| s.0 == "needle"));
@@ -343,8 +346,15 @@ fn a_pass_key_at_depth_one_keeps_its_needle() {
     let tmp = tempfile::tempdir().unwrap();
     let m = load(tmp.path());
     let t = kvreplay_capture::tasks::build("passkey:length=2000,depth=1", &m).unwrap();
-    let needle = t.spans.iter().find(|s| s.0 == "needle").expect("a needle span");
+    let needle = t
+        .spans
+        .iter()
+        .find(|s| s.0 == "needle")
+        .expect("a needle span");
     assert!(t.text[needle.1.clone()].contains("68142"));
     let q = t.spans.iter().find(|s| s.0 == "question").unwrap();
-    assert!(needle.1.end <= q.1.start, "the needle comes before the question");
+    assert!(
+        needle.1.end <= q.1.start,
+        "the needle comes before the question"
+    );
 }

@@ -333,7 +333,6 @@ impl Backend {
             Backend::Cuda(c) => c.attention_rows(q, keys, d, lens, gains, scale, out),
         }
     }
-
 }
 
 fn check(ok: bool, op: &'static str, msg: impl FnOnce() -> String) -> Result<(), KernelError> {

@@ -503,4 +503,3 @@ fn parity_attention_rows_with_gains() {
         }
     }
 }
-

@@ -33,12 +33,7 @@ pub fn layer_count(
 
 /// Per-head selection counts B_h from per-head scores (each over the same
 /// candidates 0..n), `per_head` = P selected entries per head on average.
-pub fn head_budgets(
-    scores: &[&[f32]],
-    per_head: usize,
-    alpha: f64,
-    normalize: bool,
-) -> Vec<usize> {
+pub fn head_budgets(scores: &[&[f32]], per_head: usize, alpha: f64, normalize: bool) -> Vec<usize> {
     let hk = scores.len();
     let mut pairs: Vec<(f32, usize, usize)> = Vec::new(); // (score, position, head)
     for (h, s) in scores.iter().enumerate() {
@@ -58,11 +53,7 @@ pub fn head_budgets(
         pairs.extend(s.iter().enumerate().map(|(i, x)| (x * f, i, h)));
     }
     // (score desc, position desc, head asc)
-    pairs.sort_by(|a, b| {
-        cmp_f32(b.0, a.0)
-            .then(b.1.cmp(&a.1))
-            .then(a.2.cmp(&b.2))
-    });
+    pairs.sort_by(|a, b| cmp_f32(b.0, a.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)));
     let mut n_h = vec![0usize; hk];
     for &(_, _, h) in pairs.iter().take(hk * per_head) {
         n_h[h] += 1;
@@ -76,7 +67,6 @@ pub fn head_budgets(
 #[cfg(test)]
 mod tests {
     use super::*;
-
 
     #[test]
     fn schedule_matches_hand_computation() {
@@ -95,7 +85,6 @@ mod tests {
         assert_eq!(counts, vec![122, 93, 64, 35, 6]);
         assert_eq!(layer_count(50, 72, 8, 20, 0, 5), None);
     }
-
 
     #[test]
     fn budgets_follow_where_the_top_scores_fall() {

@@ -113,7 +113,10 @@ mod tests {
             calls += 1;
             vec![2.0]
         });
-        assert_eq!((a.as_slice(), b.as_slice(), calls), (&[1.0f32][..], &[1.0f32][..], 1));
+        assert_eq!(
+            (a.as_slice(), b.as_slice(), calls),
+            (&[1.0f32][..], &[1.0f32][..], 1)
+        );
         assert_eq!(m.get_or(Votes { w: 8 }, || vec![3.0]).as_slice(), &[3.0]);
         assert_eq!(*m.get_or(Rows, || 7), 7);
         assert_eq!(m.len(), 3);

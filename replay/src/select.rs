@@ -72,7 +72,11 @@ pub fn top_k<S: Score>(
     }
     // Positions are distinct, so the order is total and the best k are one
     // set: partition them off (linear time), then sort only those.
-    let order = |a: &usize, b: &usize| scores[*b].cmp_score(scores[*a]).then(tie.keep_order(pos(*a), pos(*b)));
+    let order = |a: &usize, b: &usize| {
+        scores[*b]
+            .cmp_score(scores[*a])
+            .then(tie.keep_order(pos(*a), pos(*b)))
+    };
     if k < c.len() {
         c.select_nth_unstable_by(k - 1, order);
         c.truncate(k);
@@ -89,7 +93,11 @@ pub fn victim<S: Score>(
     tie: Tie,
 ) -> Option<usize> {
     // the minimum of "worth keeping": lowest score, then the one the tie rule drops
-    candidates.min_by(|&a, &b| scores[a].cmp_score(scores[b]).then(tie.keep_order(pos(b), pos(a))))
+    candidates.min_by(|&a, &b| {
+        scores[a]
+            .cmp_score(scores[b])
+            .then(tie.keep_order(pos(b), pos(a)))
+    })
 }
 
 /// Every candidate, from most to least worth keeping (score descending, then
@@ -102,7 +110,11 @@ pub fn ranked<S: Score>(
     tie: Tie,
 ) -> Vec<usize> {
     let mut c: Vec<usize> = candidates.into_iter().collect();
-    c.sort_by(|&a, &b| scores[b].cmp_score(scores[a]).then(tie.keep_order(pos(a), pos(b))));
+    c.sort_by(|&a, &b| {
+        scores[b]
+            .cmp_score(scores[a])
+            .then(tie.keep_order(pos(a), pos(b)))
+    });
     c
 }
 
@@ -130,7 +142,13 @@ impl Protect {
 
 /// Prompt positions kept from `p`: the protected ones plus the `count` best of
 /// the rest by `scores` (indexed by position; only candidates are read).
-pub fn keep_positions<S: Score>(p: usize, prot: Protect, scores: &[S], count: usize, tie: Tie) -> Vec<usize> {
+pub fn keep_positions<S: Score>(
+    p: usize,
+    prot: Protect,
+    scores: &[S],
+    count: usize,
+    tie: Tie,
+) -> Vec<usize> {
     let (s, r) = (prot.sinks.min(p), prot.recent.min(p - prot.sinks.min(p)));
     let mut keep: Vec<usize> = (0..s).collect();
     keep.extend(top_k(scores, s..p - r, count, |i| i, tie));
@@ -148,11 +166,23 @@ mod tests {
         assert_eq!(top_k(&s, 0..5, 2, |i| i, Tie::KeepLater), vec![2, 4]);
         assert_eq!(top_k(&s, 0..5, 2, |i| i, Tie::KeepEarlier), vec![1, 2]);
         assert_eq!(top_k(&s, 0..5, 4, |i| i, Tie::KeepLater), vec![1, 2, 3, 4]);
-        assert_eq!(victim(&[2.0, 1.0, 1.0], 0..3, |i| i, Tie::KeepLater), Some(1));
-        assert_eq!(victim(&[2.0, 1.0, 1.0], 0..3, |i| i, Tie::KeepEarlier), Some(2));
-        assert_eq!(top_k(&s, 0..5, 0, |i| i, Tie::KeepLater), Vec::<usize>::new());
+        assert_eq!(
+            victim(&[2.0, 1.0, 1.0], 0..3, |i| i, Tie::KeepLater),
+            Some(1)
+        );
+        assert_eq!(
+            victim(&[2.0, 1.0, 1.0], 0..3, |i| i, Tie::KeepEarlier),
+            Some(2)
+        );
+        assert_eq!(
+            top_k(&s, 0..5, 0, |i| i, Tie::KeepLater),
+            Vec::<usize>::new()
+        );
         assert_eq!(ranked(&s, 0..5, |i| i, Tie::KeepLater), vec![4, 2, 1, 3, 0]);
-        assert_eq!(ranked(&s, 0..5, |i| i, Tie::KeepEarlier), vec![1, 2, 4, 3, 0]);
+        assert_eq!(
+            ranked(&s, 0..5, |i| i, Tie::KeepEarlier),
+            vec![1, 2, 4, 3, 0]
+        );
         let d = [1.0f64, 3.0, 3.0];
         assert_eq!(top_k(&d, 0..3, 1, |i| i, Tie::KeepEarlier), vec![1]);
     }
@@ -169,8 +199,20 @@ mod tests {
 
     #[test]
     fn protection_clamps_inside_the_budget() {
-        assert_eq!(Protect::new(4, 100, 10), Protect { sinks: 4, recent: 6 });
-        assert_eq!(Protect::new(12, 3, 10), Protect { sinks: 10, recent: 0 });
+        assert_eq!(
+            Protect::new(4, 100, 10),
+            Protect {
+                sinks: 4,
+                recent: 6
+            }
+        );
+        assert_eq!(
+            Protect::new(12, 3, 10),
+            Protect {
+                sinks: 10,
+                recent: 0
+            }
+        );
         // sinks 0..2, recent 8..10, best 2 of 2..8 by score
         let s = [0.0, 0.0, 5.0, 1.0, 4.0, 1.0, 0.0, 0.0, 0.0, 0.0];
         let k = keep_positions(10, Protect::new(2, 2, 6), &s, 2, Tie::KeepLater);

@@ -55,18 +55,21 @@ impl<'p> Session<'p> {
         for g in all.iter().filter(|g| g.iter().any(|l| covered.contains(l))) {
             let start = covered.iter().position(|l| *l == g[0]);
             let run = start.filter(|&s| covered.get(s..s + g.len()) == Some(g.as_slice()));
-            let s = run.ok_or_else(|| {
-                ReplayError::Contract {
-                    policy: policy.name(),
-                    msg: format!("it replays layers {g:?} together, but the session covers {covered:?}"),
-                }
+            let s = run.ok_or_else(|| ReplayError::Contract {
+                policy: policy.name(),
+                msg: format!(
+                    "it replays layers {g:?} together, but the session covers {covered:?}"
+                ),
             })?;
             groups.push(s..s + g.len());
         }
         if let Some(l) = covered.iter().find(|l| !all.iter().any(|g| g.contains(l))) {
             return Err(ReplayError::Contract {
                 policy: policy.name(),
-                msg: format!("its layer groups {all:?} of {} layers miss layer {l}", first.n_layers),
+                msg: format!(
+                    "its layer groups {all:?} of {} layers miss layer {l}",
+                    first.n_layers
+                ),
             });
         }
         let mut caches: Vec<Vec<HeadCache>> = vec![Vec::new(); layers.len()];
@@ -164,7 +167,12 @@ impl<'p> Session<'p> {
 
     /// Append the exact entry of decode position `pos` to every cache of
     /// layer `i`; `kv(g)` gives KV head g's (key, value) rows.
-    pub fn append<'a>(&mut self, i: usize, pos: usize, kv: impl Fn(usize) -> (&'a [f32], &'a [f32])) {
+    pub fn append<'a>(
+        &mut self,
+        i: usize,
+        pos: usize,
+        kv: impl Fn(usize) -> (&'a [f32], &'a [f32]),
+    ) {
         for c in 0..self.caches[i].len() {
             let (k, v) = kv(self.kv_head_of(i, c));
             self.caches[i][c].push_exact(pos, k, v);

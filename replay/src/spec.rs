@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-pub use crate::params::{Kind, ParamInfo, Params};
 use crate::info::{Build, PolicyInfo};
+pub use crate::params::{Kind, ParamInfo, Params};
 use crate::policies::{find, scorer_names, REGISTRY};
 use crate::policy::Policy;
 use crate::scorer::TopK;
@@ -16,7 +16,10 @@ impl Params {
     pub fn scorer_params(&self) -> Result<Params, ReplayError> {
         let name = self.word("scorer");
         let info = find(name).filter(|i| i.is_scorer()).ok_or_else(|| {
-            self.bad("scorer", format!("expected a scorer: {}", scorer_names().join(", ")))
+            self.bad(
+                "scorer",
+                format!("expected a scorer: {}", scorer_names().join(", ")),
+            )
         })?;
         let own = find(self.policy).map(|i| i.params).unwrap_or(&[]);
         let values = info
@@ -130,18 +133,24 @@ fn accepted(
             .find(|(k, _)| *k == "scorer")
             .map(|(_, v)| *v)
             .unwrap_or(default_scorer);
-        let sc = find(name).filter(|i| i.is_scorer()).ok_or_else(|| ReplayError::BadParam {
-            policy: info.name.into(),
-            key: "scorer".into(),
-            value: name.into(),
-            msg: format!("expected a scorer: {}", scorer_names().join(", ")),
-        })?;
+        let sc = find(name)
+            .filter(|i| i.is_scorer())
+            .ok_or_else(|| ReplayError::BadParam {
+                policy: info.name.into(),
+                key: "scorer".into(),
+                value: name.into(),
+                msg: format!("expected a scorer: {}", scorer_names().join(", ")),
+            })?;
         for p in sc.params {
             let default = scorer_defaults
                 .iter()
                 .find(|(k, _)| *k == p.name)
                 .map_or(p.default, |(_, v)| *v);
-            out.push((scorer_key(info.params, sc.name, p.name), *p, default.to_string()));
+            out.push((
+                scorer_key(info.params, sc.name, p.name),
+                *p,
+                default.to_string(),
+            ));
         }
     }
     Ok(out)
@@ -179,20 +188,28 @@ pub fn parse_one(s: &str) -> Result<Params, ReplayError> {
         }
     }
     let params = accepted(info, &given)?;
-    let mut values: BTreeMap<String, String> =
-        params.iter().map(|(k, _, d)| (k.clone(), d.clone())).collect();
+    let mut values: BTreeMap<String, String> = params
+        .iter()
+        .map(|(k, _, d)| (k.clone(), d.clone()))
+        .collect();
     for (k, v) in given {
-        let (key, p, _) = params.iter().find(|x| x.0 == k).ok_or_else(|| {
-            ReplayError::UnknownParam {
-                policy: info.name.into(),
-                key: k.into(),
-                valid: if params.is_empty() {
-                    "none".into()
-                } else {
-                    params.iter().map(|x| x.0.as_str()).collect::<Vec<_>>().join(", ")
-                },
-            }
-        })?;
+        let (key, p, _) =
+            params
+                .iter()
+                .find(|x| x.0 == k)
+                .ok_or_else(|| ReplayError::UnknownParam {
+                    policy: info.name.into(),
+                    key: k.into(),
+                    valid: if params.is_empty() {
+                        "none".into()
+                    } else {
+                        params
+                            .iter()
+                            .map(|x| x.0.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    },
+                })?;
         check_value(info, p, v)?;
         values.insert(key.clone(), v.to_string());
     }
@@ -280,9 +297,10 @@ impl PolicySpec {
                     };
                     build(part, scorer)?
                 }
-                (Build::Wrapper(f), inner) => {
-                    f(part, inner.unwrap_or_else(|| Arc::new(crate::policies::full::Full)))?
-                }
+                (Build::Wrapper(f), inner) => f(
+                    part,
+                    inner.unwrap_or_else(|| Arc::new(crate::policies::full::Full)),
+                )?,
                 (_, Some(_)) => unreachable!("parse admits only wrappers after `+`"),
             });
         }
@@ -355,6 +373,9 @@ mod tests {
             };
             assert!(e.contains(&format!("`{key}`")), "{spec}: {e}");
         }
-        assert!(PolicySpec::parse("minicache:gamma=1,rho=0").unwrap().build().is_ok());
+        assert!(PolicySpec::parse("minicache:gamma=1,rho=0")
+            .unwrap()
+            .build()
+            .is_ok());
     }
 }

@@ -133,7 +133,10 @@ fn reused_budget_independent_results_change_nothing() {
         for b in [6, 10] {
             let cached = tr.replay(p.as_ref(), Budget::Entries(b)).unwrap();
             let again = tr.replay(p.as_ref(), Budget::Entries(b)).unwrap();
-            assert!(!tr.layer(0).memo.as_ref().unwrap().is_empty(), "{spec}: nothing kept");
+            assert!(
+                !tr.layer(0).memo.as_ref().unwrap().is_empty(),
+                "{spec}: nothing kept"
+            );
             for l in 0..2 {
                 let d = kvreplay_replay::engine::load_layer(&trace, l);
                 let fresh = kvreplay_replay::replay_layer(&d, p.as_ref(), b).unwrap();

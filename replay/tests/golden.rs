@@ -84,7 +84,10 @@ fn golden_layers() -> Vec<LayerData> {
 fn results(trace: &Trace) -> String {
     let mut out = String::from("policy,budget,layer,head,rel_l2,cosine,attn_mass,kl,bytes\n");
     let mut kept = String::from("policy,budget,layer,cache_head,kept_positions\n");
-    let specs = REGISTRY.iter().map(|i| i.name).chain(EXTRA_SPECS.iter().copied());
+    let specs = REGISTRY
+        .iter()
+        .map(|i| i.name)
+        .chain(EXTRA_SPECS.iter().copied());
     for name in specs {
         let spec = PolicySpec::parse(name).unwrap();
         let policy = spec.build().unwrap();
@@ -140,7 +143,11 @@ fn every_policy_matches_the_golden_results() {
         }
         let trace = Trace::open(&trace_dir).unwrap();
         std::fs::write(&csv, results(&trace)).unwrap();
-        eprintln!("golden: rewrote {} and {}", trace_dir.display(), csv.display());
+        eprintln!(
+            "golden: rewrote {} and {}",
+            trace_dir.display(),
+            csv.display()
+        );
     }
     let trace = Trace::open(&trace_dir).unwrap_or_else(|e| {
         panic!("{e}; run UPDATE_GOLDEN=1 cargo test -p kvreplay-replay --test golden")
@@ -180,6 +187,10 @@ fn the_committed_trace_is_what_the_builder_writes() {
         let a = std::fs::read(built.join(&n)).unwrap();
         let b = std::fs::read(committed.join(&n))
             .unwrap_or_else(|e| panic!("{}: {e}", committed.join(&n).display()));
-        assert!(a == b, "{} differs from its builder's output", n.to_string_lossy());
+        assert!(
+            a == b,
+            "{} differs from its builder's output",
+            n.to_string_lossy()
+        );
     }
 }

@@ -271,17 +271,32 @@ fn every_policy_at_a_covering_budget_equals_full() {
     for info in REGISTRY.iter().filter(|i| i.caps.exact_when_covering) {
         let r = replay(info.name, 46);
         for m in r.metrics() {
-            assert_eq!((m.rel_l2, m.kl, m.attn_mass), (0.0, 0.0, 1.0), "{} at B = T: {m:?}", info.name);
+            assert_eq!(
+                (m.rel_l2, m.kl, m.attn_mass),
+                (0.0, 0.0, 1.0),
+                "{} at B = T: {m:?}",
+                info.name
+            );
         }
         assert_eq!(r.bytes(), r.full_bytes(), "{}", info.name);
     }
-    let excluded: Vec<&str> = REGISTRY.iter().filter(|i| !i.caps.exact_when_covering).map(|i| i.name).collect();
-    assert_eq!(excluded, ["d2o", "ems", "quant"], "which policies are exempt is deliberate");
+    let excluded: Vec<&str> = REGISTRY
+        .iter()
+        .filter(|i| !i.caps.exact_when_covering)
+        .map(|i| i.name)
+        .collect();
+    assert_eq!(
+        excluded,
+        ["d2o", "ems", "quant"],
+        "which policies are exempt is deliberate"
+    );
     assert_eq!(kept("d2o", &layers[0], 40)[0], (0..40).collect::<Vec<_>>());
     // prefill-only forms equal full once B covers the prompt
     for info in REGISTRY.iter().filter(|i| i.caps.exact_when_covering) {
         // the prefill-only form of a policy that holds a capacity during decode
-        let spec = if info.caps.holds_capacity && info.caps.phase != kvreplay_replay::policies::Phase::Decode {
+        let spec = if info.caps.holds_capacity
+            && info.caps.phase != kvreplay_replay::policies::Phase::Decode
+        {
             format!("{}:decode_evict=false", info.name)
         } else {
             info.name.to_string()
@@ -794,7 +809,10 @@ fn ems_merges_a_scaled_copy_of_a_centre() {
         let v5 = data.v[src * d + x] as f64;
         let want = (a * v5 + b * 2.0 * v5) / (a + b);
         let got = c.value(i5)[x] as f64;
-        assert!((got - want).abs() <= 1e-6 * want.abs().max(1e-3), "channel {x}: {got} vs {want}");
+        assert!(
+            (got - want).abs() <= 1e-6 * want.abs().max(1e-3),
+            "channel {x}: {got} vs {want}"
+        );
     }
 }
 

@@ -9,7 +9,10 @@ use kvreplay_replay::policies::{Build, REGISTRY};
 use kvreplay_replay::PolicySpec;
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 fn read(p: &Path) -> String {
@@ -38,16 +41,32 @@ fn every_policy_has_a_known_answer_test_and_a_method_page() {
     for p in REGISTRY {
         let f = format!("fn {}()", p.test);
         let at = tests.find(&f).unwrap_or_else(|| {
-            panic!("policy {}: its known-answer test `{}` is missing under replay/tests/", p.name, p.test)
+            panic!(
+                "policy {}: its known-answer test `{}` is missing under replay/tests/",
+                p.name, p.test
+            )
         });
-        assert!(tests[..at].trim_end().ends_with("#[test]"), "{}: `{}` is not a #[test]", p.name, p.test);
+        assert!(
+            tests[..at].trim_end().ends_with("#[test]"),
+            "{}: `{}` is not a #[test]",
+            p.name,
+            p.test
+        );
         let page = root().join(format!("docs/methods/{}.md", p.name));
-        assert!(page.exists(), "policy {}: {} is missing", p.name, page.display());
-        let src = [format!("replay/src/policies/{}.rs", p.name), format!("replay/src/policies/{}/mod.rs", p.name)]
-            .into_iter()
-            .map(|f| root().join(f))
-            .find(|f| f.exists())
-            .unwrap_or_else(|| panic!("policy {}: no source file", p.name));
+        assert!(
+            page.exists(),
+            "policy {}: {} is missing",
+            p.name,
+            page.display()
+        );
+        let src = [
+            format!("replay/src/policies/{}.rs", p.name),
+            format!("replay/src/policies/{}/mod.rs", p.name),
+        ]
+        .into_iter()
+        .map(|f| root().join(f))
+        .find(|f| f.exists())
+        .unwrap_or_else(|| panic!("policy {}: no source file", p.name));
         assert!(
             read(&src).contains(&format!("docs/methods/{}.md", p.name)),
             "{}: cites no docs/methods/{}.md",
@@ -63,11 +82,17 @@ fn every_policy_has_a_known_answer_test_and_a_method_page() {
 fn readme_and_semantics_list_what_the_registry_says() {
     let readme = read(&root().join("README.md"));
     for p in REGISTRY {
-        assert!(readme.contains(&format!("`{}`", p.name)), "README does not mention `{}`", p.name);
+        assert!(
+            readme.contains(&format!("`{}`", p.name)),
+            "README does not mention `{}`",
+            p.name
+        );
     }
     // SEMANTICS.md's list of policies that hold a fixed capacity during decode
     let sem = read(&root().join("replay/SEMANTICS.md"));
-    let start = sem.find("- Decode-time policies (").expect("SEMANTICS lists the decode-time policies");
+    let start = sem
+        .find("- Decode-time policies (")
+        .expect("SEMANTICS lists the decode-time policies");
     let list = &sem[start..start + sem[start..].find(')').unwrap()];
     let named: BTreeSet<&str> = list
         .split('`')
@@ -75,15 +100,30 @@ fn readme_and_semantics_list_what_the_registry_says() {
         .step_by(2)
         .filter(|n| !n.contains(':'))
         .collect();
-    let holds: BTreeSet<&str> = REGISTRY.iter().filter(|p| p.caps.holds_capacity).map(|p| p.name).collect();
-    assert_eq!(named, holds, "SEMANTICS.md's decode-time list against the registry's capabilities");
+    let holds: BTreeSet<&str> = REGISTRY
+        .iter()
+        .filter(|p| p.caps.holds_capacity)
+        .map(|p| p.name)
+        .collect();
+    assert_eq!(
+        named, holds,
+        "SEMANTICS.md's decode-time list against the registry's capabilities"
+    );
     // scorer wrappers and wrappers are said to be so in the listing
     let listing = kvreplay_replay::policies::listing();
     for p in REGISTRY {
         if let Build::ScorerWrapper { default_scorer, .. } = p.build {
-            assert!(listing.contains(&format!("default {default_scorer}")), "{}", p.name);
+            assert!(
+                listing.contains(&format!("default {default_scorer}")),
+                "{}",
+                p.name
+            );
             // one source of truth for the default scorer
-            let param = p.params.iter().find(|x| x.name == "scorer").expect("a scorer parameter");
+            let param = p
+                .params
+                .iter()
+                .find(|x| x.name == "scorer")
+                .expect("a scorer parameter");
             assert_eq!(param.default, default_scorer, "{}", p.name);
         }
     }
@@ -97,11 +137,23 @@ fn modules(src: &Path) -> BTreeMap<String, PathBuf> {
         .into_iter()
         .map(|f| {
             let rel = f.strip_prefix(src).unwrap().with_extension("");
-            let mut parts: Vec<String> = rel.iter().map(|c| c.to_string_lossy().into_owned()).collect();
-            if matches!(parts.last().map(|s| s.as_str()), Some("mod" | "lib" | "main")) {
+            let mut parts: Vec<String> = rel
+                .iter()
+                .map(|c| c.to_string_lossy().into_owned())
+                .collect();
+            if matches!(
+                parts.last().map(|s| s.as_str()),
+                Some("mod" | "lib" | "main")
+            ) {
                 parts.pop();
             }
-            (std::iter::once("crate".to_string()).chain(parts).collect::<Vec<_>>().join("::"), f)
+            (
+                std::iter::once("crate".to_string())
+                    .chain(parts)
+                    .collect::<Vec<_>>()
+                    .join("::"),
+                f,
+            )
         })
         .collect()
 }
@@ -155,7 +207,11 @@ fn references(module: &str, text: &str) -> Vec<String> {
                         '{' => depth += 1,
                         '}' => depth -= 1,
                         ',' if depth == 0 => {
-                            let path: String = item.trim().chars().take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':').collect();
+                            let path: String = item
+                                .trim()
+                                .chars()
+                                .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
+                                .collect();
                             out.push(format!("{base}::{}", path.trim_end_matches(':')));
                             item.clear();
                             continue;
@@ -165,7 +221,10 @@ fn references(module: &str, text: &str) -> Vec<String> {
                     item.push(c);
                 }
             } else {
-                let path: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':').collect();
+                let path: String = rest
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
+                    .collect();
                 out.push(format!("{base}::{}", path.trim_end_matches(':')));
             }
         }
@@ -173,7 +232,12 @@ fn references(module: &str, text: &str) -> Vec<String> {
     // relative paths to the module's own children (`mod x;` ... `x::item`)
     let children: Vec<&str> = text
         .lines()
-        .filter_map(|l| l.trim().strip_prefix("pub ").unwrap_or(l.trim()).strip_prefix("mod "))
+        .filter_map(|l| {
+            l.trim()
+                .strip_prefix("pub ")
+                .unwrap_or(l.trim())
+                .strip_prefix("mod ")
+        })
         .filter_map(|l| l.strip_suffix(';'))
         .collect();
     for c in children {
@@ -259,12 +323,26 @@ fn find_cycle(g: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
 
 #[test]
 fn no_module_of_the_workspace_imports_in_a_circle() {
-    let crates = ["src", "traces/src", "kernels/src", "capture/src", "replay/src", "analysis/src", "validate/src"];
+    let crates = [
+        "src",
+        "traces/src",
+        "kernels/src",
+        "capture/src",
+        "replay/src",
+        "analysis/src",
+        "validate/src",
+    ];
     for c in crates {
         let g = import_graph(&root().join(c));
-        assert!(g.len() > 1 || c == "traces/src" || c == "validate/src" || !g.is_empty(), "{c}: no modules found");
+        assert!(
+            g.len() > 1 || c == "traces/src" || c == "validate/src" || !g.is_empty(),
+            "{c}: no modules found"
+        );
         if let Some(cycle) = find_cycle(&g) {
-            panic!("{c}: modules import each other in a circle: {}", cycle.join(" -> "));
+            panic!(
+                "{c}: modules import each other in a circle: {}",
+                cycle.join(" -> ")
+            );
         }
     }
 }
@@ -272,14 +350,23 @@ fn no_module_of_the_workspace_imports_in_a_circle() {
 #[test]
 fn the_cycle_check_finds_a_planted_circle() {
     // a -> b -> a through `use crate::` and `super::` forms
-    let a = references("crate::a", "use crate::{b::{X, Y}, c};\nfn f() { super::d::g(); }");
+    let a = references(
+        "crate::a",
+        "use crate::{b::{X, Y}, c};\nfn f() { super::d::g(); }",
+    );
     assert_eq!(a, vec!["crate::b", "crate::c", "crate::d::g"]);
     // a parent's use of its child by a relative path is an edge too
     let a = references("crate::a", "pub mod k;\nfn f() { k::run(); }");
     assert_eq!(a, vec!["crate::a::k"]);
     let mut g = BTreeMap::new();
-    g.insert("crate::a".to_string(), BTreeSet::from(["crate::b".to_string()]));
-    g.insert("crate::b".to_string(), BTreeSet::from(["crate::a".to_string()]));
+    g.insert(
+        "crate::a".to_string(),
+        BTreeSet::from(["crate::b".to_string()]),
+    );
+    g.insert(
+        "crate::b".to_string(),
+        BTreeSet::from(["crate::a".to_string()]),
+    );
     assert!(find_cycle(&g).is_some());
     g.get_mut("crate::b").unwrap().clear();
     assert!(find_cycle(&g).is_none());

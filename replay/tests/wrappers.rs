@@ -27,7 +27,12 @@ fn kept(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<usize>> {
 }
 
 /// An independent top-`k` of `candidates` by (score desc, later position first).
-fn best(scores: &[f32], candidates: std::ops::Range<usize>, k: usize, later: bool) -> BTreeSet<usize> {
+fn best(
+    scores: &[f32],
+    candidates: std::ops::Range<usize>,
+    k: usize,
+    later: bool,
+) -> BTreeSet<usize> {
     let mut c: Vec<usize> = candidates.collect();
     c.sort_by(|&a, &b| {
         scores[b]
@@ -78,7 +83,10 @@ fn pyramidkv_gives_every_scorer_per_layer_budgets() {
         };
         let s = scorer(&base);
         let prot = s.protect(b).unwrap();
-        let spec = format!("pyramidkv:scorer={name},beta=2{}", &base[name.len()..].replace(':', ","));
+        let spec = format!(
+            "pyramidkv:scorer={name},beta=2{}",
+            &base[name.len()..].replace(':', ",")
+        );
         let mut counts = Vec::new();
         for d in &data {
             let got = kept(&spec, d, b);
@@ -89,22 +97,36 @@ fn pyramidkv_gives_every_scorer_per_layer_budgets() {
             };
             let ctx = PrefillCtx::new(d, b);
             for (g, pos) in got.iter().enumerate() {
-                let unit = Unit { kv_head: g, heads: 2 * g..2 * g + 2 };
+                let unit = Unit {
+                    kv_head: g,
+                    heads: 2 * g..2 * g + 2,
+                };
                 let scores = s.score(&ctx, &unit);
                 let later = s.tie() == kvreplay_replay::select::Tie::KeepLater;
                 let mut want = best(&scores, prot.sinks..p - prot.recent, want_n, later);
                 want.extend((0..prot.sinks).chain(p - prot.recent..p));
-                assert_eq!(pos.iter().copied().collect::<BTreeSet<_>>(), want, "{spec} layer {}", d.layer);
+                assert_eq!(
+                    pos.iter().copied().collect::<BTreeSet<_>>(),
+                    want,
+                    "{spec} layer {}",
+                    d.layer
+                );
             }
             counts.push(got[0].len());
         }
         // shallow layers keep more, whatever the scorer (unless nothing is selected)
         if prot.total() < b {
-            assert!(counts.windows(2).all(|w| w[0] >= w[1]) && counts[0] > counts[n - 1], "{spec}: {counts:?}");
+            assert!(
+                counts.windows(2).all(|w| w[0] >= w[1]) && counts[0] > counts[n - 1],
+                "{spec}: {counts:?}"
+            );
         }
     }
     // Known numbers: w = 8 -> P = 8, T = 40: min 4, max 12, step 2 -> 12, 10, 8, 6 (+ 8 window)
-    let sizes: Vec<usize> = data.iter().map(|d| kept("pyramidkv:beta=2", d, 16)[0].len()).collect();
+    let sizes: Vec<usize> = data
+        .iter()
+        .map(|d| kept("pyramidkv:beta=2", d, 16)[0].len())
+        .collect();
     assert_eq!(sizes, vec![20, 18, 16, 14]);
 }
 
@@ -123,7 +145,10 @@ fn adakv_gives_every_scorer_per_head_budgets() {
         };
         let s = scorer(base);
         let prot = s.protect(b).unwrap();
-        let spec = format!("adakv:scorer={name},alpha=0{}", &base[name.len()..].replace(':', ","));
+        let spec = format!(
+            "adakv:scorer={name},alpha=0{}",
+            &base[name.len()..].replace(':', ",")
+        );
         let got = kept(&spec, &data, b);
         let avg = b.saturating_sub(prot.total());
         if avg == 0 {
@@ -133,14 +158,27 @@ fn adakv_gives_every_scorer_per_head_budgets() {
         let cross = s.across_heads().unwrap_or(s.clone());
         let ctx = PrefillCtx::new(&data, b);
         let scores: Vec<Vec<f32>> = (0..2)
-            .map(|g| cross.score(&ctx, &Unit { kv_head: g, heads: 2 * g..2 * g + 2 }))
+            .map(|g| {
+                cross.score(
+                    &ctx,
+                    &Unit {
+                        kv_head: g,
+                        heads: 2 * g..2 * g + 2,
+                    },
+                )
+            })
             .collect();
         // independent global top 2·avg of (head, position) pairs
         let mut pairs: Vec<(f32, usize, usize)> = (0..2)
             .flat_map(|g| (prot.sinks..p - prot.recent).map(move |i| (g, i)))
             .map(|(g, i)| (scores[g][i], i, g))
             .collect();
-        pairs.sort_by(|x, y| y.0.partial_cmp(&x.0).unwrap().then(y.1.cmp(&x.1)).then(x.2.cmp(&y.2)));
+        pairs.sort_by(|x, y| {
+            y.0.partial_cmp(&x.0)
+                .unwrap()
+                .then(y.1.cmp(&x.1))
+                .then(x.2.cmp(&y.2))
+        });
         let n_h: Vec<usize> = (0..2)
             .map(|g| pairs.iter().take(2 * avg).filter(|x| x.2 == g).count())
             .collect();
@@ -148,7 +186,11 @@ fn adakv_gives_every_scorer_per_head_budgets() {
             let later = s.tie() == kvreplay_replay::select::Tie::KeepLater;
             let mut want = best(&scores[g], prot.sinks..p - prot.recent, n_h[g], later);
             want.extend((0..prot.sinks).chain(p - prot.recent..p));
-            assert_eq!(got[g].iter().copied().collect::<BTreeSet<_>>(), want, "{spec} head {g}");
+            assert_eq!(
+                got[g].iter().copied().collect::<BTreeSet<_>>(),
+                want,
+                "{spec} head {g}"
+            );
         }
         assert_eq!(n_h[0] + n_h[1], 2 * avg, "{spec}");
     }
@@ -156,7 +198,13 @@ fn adakv_gives_every_scorer_per_head_budgets() {
     // .95, .62, .37, .17), KV head 1's sits on a sink at 0 (≈ 5.9 there, the
     // rest ≈ 0). H2O scores with recent = 1 and B = 3: 2 heads × 2 selections
     // go to (h1, 0), (h0, 0), (h0, 1), (h0, 2), so head 0 selects 3 and head 1 one.
-    let data = simple_layer(&[vec![0.0; 7], vec![5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]], 1, 6, 0, 1);
+    let data = simple_layer(
+        &[vec![0.0; 7], vec![5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]],
+        1,
+        6,
+        0,
+        1,
+    );
     let got = kept("adakv:scorer=h2o,recent=1,alpha=0", &data, 3);
     assert_eq!(got, vec![vec![0, 1, 2, 5], vec![0, 5]]);
     // alpha = 1: every head keeps ⌊1·2⌋ = 2 (the uniform split): head 1 its sink and 1
@@ -171,14 +219,25 @@ fn cam_merges_for_any_scorer_and_keeps_the_scorers_selection() {
     // an evicted one change only where a merge reached them.
     let data = layers(1, 30).remove(0);
     for name in scorer_names() {
-        let base = if name == "knorm" { "knorm:skip_layers=none" } else { name };
+        let base = if name == "knorm" {
+            "knorm:skip_layers=none"
+        } else {
+            name
+        };
         let plain = kept(base, &data, 12);
-        let spec = format!("cam:scorer={name},expected=true{}", &base[name.len()..].replace(':', ","));
+        let spec = format!(
+            "cam:scorer={name},expected=true{}",
+            &base[name.len()..].replace(':', ",")
+        );
         let policy = PolicySpec::parse(&spec).unwrap().build().unwrap();
         let (caches, _) = policy.prefill(&PrefillCtx::new(&data, 12)).unwrap();
         for (g, c) in caches.iter().enumerate() {
             assert_eq!(c.positions(), plain[g], "{spec}");
-            assert_eq!(c.keys, PrefillCtx::new(&data, 12).exact_cache(g, &plain[g]).keys, "{spec}: keys never change");
+            assert_eq!(
+                c.keys,
+                PrefillCtx::new(&data, 12).exact_cache(g, &plain[g]).keys,
+                "{spec}: keys never change"
+            );
         }
     }
 }
@@ -202,7 +261,8 @@ fn random_keeps_the_first_b_of_a_seeded_permutation() {
     let mut s1 = 0x9E37_79B9_7F4A_7C15u64;
     let mut s2 = next(&mut s1);
     let mut s3 = next(&mut s2);
-    let mut below = |n: usize| (((next(&mut s3) >> 11) as f64 / (1u64 << 53) as f64) * n as f64) as usize;
+    let mut below =
+        |n: usize| (((next(&mut s3) >> 11) as f64 / (1u64 << 53) as f64) * n as f64) as usize;
     let mut idx: Vec<usize> = (0..10).collect();
     for i in 0..4 {
         let j = i + below(10 - i);
@@ -211,6 +271,10 @@ fn random_keeps_the_first_b_of_a_seeded_permutation() {
     let mut want = idx[..4].to_vec();
     want.sort_unstable();
     assert_eq!(kept("random", &data, 4), vec![want.clone()]);
-    assert_ne!(kept("random:seed=1", &data, 4), vec![want], "another seed, another draw");
+    assert_ne!(
+        kept("random:seed=1", &data, 4),
+        vec![want],
+        "another seed, another draw"
+    );
     assert_eq!(kept("random", &data, 10), vec![(0..10).collect::<Vec<_>>()]);
 }

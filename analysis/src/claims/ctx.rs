@@ -64,7 +64,10 @@ impl Ctx<'_> {
             return Ok(*e);
         }
         let p = PolicySpec::parse(spec)?.build()?;
-        let e = self.tr.replay(p.as_ref(), Budget::Entries(b))?.mean(|h| h.rel_l2);
+        let e = self
+            .tr
+            .replay(p.as_ref(), Budget::Entries(b))?
+            .mean(|h| h.rel_l2);
         self.errors.insert((spec.to_string(), b), e);
         Ok(e)
     }
@@ -115,9 +118,7 @@ impl Ctx<'_> {
 
 pub(super) fn top_k(s: &[f64], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..s.len()).collect();
-    idx.sort_by(|&a, &b| {
-        cmp_f64(s[b], s[a]).then(b.cmp(&a))
-    });
+    idx.sort_by(|&a, &b| cmp_f64(s[b], s[a]).then(b.cmp(&a)));
     idx.truncate(k);
     idx
 }

@@ -39,8 +39,8 @@ use ems::ems;
 use kvmerger::kvmerger;
 use minicache::minicache;
 
-pub use ctx::{Claim, Verdict};
 use ctx::Ctx;
+pub use ctx::{Claim, Verdict};
 
 /// The shortest prompt the claims measure (windows of 32, budgets of P/4).
 pub const MIN_PROMPT: usize = 64;
@@ -76,4 +76,3 @@ pub fn measure(trace: &Trace) -> Result<Vec<Claim>, ReplayError> {
     minicache(&mut c, &mut out)?;
     Ok(out)
 }
-

@@ -4,7 +4,10 @@
 /// ‖x‖₂ with the squares accumulated in f64.
 #[inline]
 pub fn l2_norm(x: &[f32]) -> f64 {
-    x.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>().sqrt()
+    x.iter()
+        .map(|v| (*v as f64) * (*v as f64))
+        .sum::<f64>()
+        .sqrt()
 }
 
 /// ‖x‖₂ accumulated in f32 (MiniCache's reference computes its norms so).
@@ -32,7 +35,9 @@ pub fn softmax_f64_norm(x: &mut [f32]) {
     let mx = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
     let w: Vec<f64> = x.iter().map(|v| ((v - mx) as f64).exp()).collect();
     let sum: f64 = w.iter().sum();
-    x.iter_mut().zip(&w).for_each(|(v, we)| *v = (we / sum) as f32);
+    x.iter_mut()
+        .zip(&w)
+        .for_each(|(v, we)| *v = (we / sum) as f32);
 }
 
 /// Asymmetric min-max quantisation of `x` as one group to `bits` bits, and
@@ -78,7 +83,6 @@ mod tests {
         fake_quant(&mut c, 4);
         assert_eq!(c, vec![0.5; 4]);
     }
-
 
     #[test]
     fn known_values() {

@@ -12,12 +12,12 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, PolicyInfo};
 use crate::cache::HeadCache;
+use crate::info::{Build, Caps, PolicyInfo};
+use crate::params::{choice_enum, Kind, ParamInfo, Params};
 use crate::policy::{dot, PrefillCtx, StepCtx};
 use crate::scorer::{Scorer, Selected, StepScorer, Unit};
 use crate::select::{Protect, Tie};
-use crate::params::{choice_enum, Kind, ParamInfo, Params};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {

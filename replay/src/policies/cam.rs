@@ -16,11 +16,11 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::HeadCache;
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::params::{Kind, ParamInfo};
 use crate::policy::{mean_rows, PrefillCtx, SplitMix64, StepCtx};
 use crate::scorer::{EvictMerge, EvictMergeState, TopK, Unit};
-use crate::params::{Kind, ParamInfo};
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "cam",
@@ -110,7 +110,14 @@ impl EvictMerge for Cam {
             cache.retain_indices(keep);
         }
         let acc = keep.iter().map(|&i| abar[i]).collect();
-        (cache, Box::new(Merges { cfg: *self, acc, rng }))
+        (
+            cache,
+            Box::new(Merges {
+                cfg: *self,
+                acc,
+                rng,
+            }),
+        )
     }
 }
 

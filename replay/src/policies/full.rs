@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::HeadCache;
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;
 

@@ -9,12 +9,12 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, PolicyInfo};
 use crate::cache::HeadCache;
+use crate::info::{Build, Caps, PolicyInfo};
+use crate::params::{Kind, ParamInfo};
 use crate::policy::{mean_rows, PrefillCtx, StepCtx};
 use crate::scorer::{Scorer, Selected, StepScorer, Unit};
 use crate::select::Protect;
-use crate::params::{Kind, ParamInfo};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {

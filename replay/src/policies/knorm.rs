@@ -2,7 +2,11 @@
 //! window or sinks; `skip_layers` stay uncompressed; `decode_evict` evicts the largest-norm key.
 
 use crate::info::{Build, Caps, Phase, PolicyInfo};
-use crate::{scorer::{Computed, Scorer, Selected, StepScorer, Unit}, params::{Kind, ParamInfo}, HeadCache, PrefillCtx, StepCtx};
+use crate::{
+    params::{Kind, ParamInfo},
+    scorer::{Computed, Scorer, Selected, StepScorer, Unit},
+    HeadCache, PrefillCtx, StepCtx,
+};
 use kvreplay_kernels::cpu::l2_norm;
 
 pub static INFO: PolicyInfo = PolicyInfo {
@@ -18,12 +22,25 @@ pub static INFO: PolicyInfo = PolicyInfo {
     build: Build::Scorer(|p| Ok(std::sync::Arc::new(KNorm { skip_layers: p.int_list("skip_layers")?, decode_evict: p.bool("decode_evict")? }))),
 };
 
-pub struct KNorm { pub skip_layers: Vec<usize>, pub decode_evict: bool }
+pub struct KNorm {
+    pub skip_layers: Vec<usize>,
+    pub decode_evict: bool,
+}
 impl Scorer for KNorm {
-    fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> { (0..ctx.prompt_len()).map(|i| -l2_norm(ctx.key(u.kv_head, i)) as f32).collect() }
-    fn skip_layer(&self, layer: usize) -> bool { self.skip_layers.contains(&layer) }
-    fn decode_evict(&self) -> bool { self.decode_evict }
+    fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
+        (0..ctx.prompt_len())
+            .map(|i| -l2_norm(ctx.key(u.kv_head, i)) as f32)
+            .collect()
+    }
+    fn skip_layer(&self, layer: usize) -> bool {
+        self.skip_layers.contains(&layer)
+    }
+    fn decode_evict(&self) -> bool {
+        self.decode_evict
+    }
     fn decoder(&self, _: &PrefillCtx, _: &Selected) -> Option<Box<dyn StepScorer>> {
-        Computed::boxed(|_: &StepCtx, _: usize, c: &HeadCache| (0..c.len()).map(|e| -l2_norm(c.key(e)) as f32).collect())
+        Computed::boxed(|_: &StepCtx, _: usize, c: &HeadCache| {
+            (0..c.len()).map(|e| -l2_norm(c.key(e)) as f32).collect()
+        })
     }
 }

@@ -69,7 +69,9 @@ pub fn listing() -> String {
     for p in REGISTRY {
         let how = match p.build {
             Build::Wrapper(_) => format!("  (wrapper: compose as POLICY+{})", p.name),
-            Build::Scorer(_) => "  (scorer: also usable as scorer=NAME in pyramidkv, adakv, cam)".into(),
+            Build::Scorer(_) => {
+                "  (scorer: also usable as scorer=NAME in pyramidkv, adakv, cam)".into()
+            }
             Build::ScorerWrapper { default_scorer, .. } => {
                 format!("  (wraps any scorer: scorer=NAME, default {default_scorer}; the scorer's parameters are accepted too)")
             }
@@ -99,7 +101,11 @@ pub fn listing() -> String {
         let _ = writeln!(out, "    {}", flags.join("; "));
         let _ = writeln!(out, "    paper: {}", p.paper);
         for a in p.params {
-            let _ = writeln!(out, "    {:<15} default {:<9} {}", a.name, a.default, a.help);
+            let _ = writeln!(
+                out,
+                "    {:<15} default {:<9} {}",
+                a.name, a.default, a.help
+            );
         }
         out.push('\n');
     }

@@ -12,8 +12,8 @@
 use std::sync::Arc;
 
 use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
-use crate::scorer::{Allocation, TopK};
 use crate::params::{Kind, ParamInfo};
+use crate::scorer::{Allocation, TopK};
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "pyramidkv",

@@ -13,10 +13,10 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
-use crate::policy::{DecodeState, GroupDecodeState, Policy, PrefillCtx, StepCtx};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
+use crate::policy::{DecodeState, GroupDecodeState, Policy, PrefillCtx, StepCtx};
 use crate::ReplayError;
 use kvreplay_kernels::cpu::fake_quant;
 

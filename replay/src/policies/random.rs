@@ -6,9 +6,9 @@
 use std::sync::Arc;
 
 use crate::info::{Build, Caps, PolicyInfo};
+use crate::params::{Kind, ParamInfo};
 use crate::policy::{PrefillCtx, SplitMix64};
 use crate::scorer::{Scorer, Unit};
-use crate::params::{Kind, ParamInfo};
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "random",
@@ -22,7 +22,11 @@ pub static INFO: PolicyInfo = PolicyInfo {
     }],
     caps: Caps::EVICT_PREFILL,
     test: "random_keeps_the_first_b_of_a_seeded_permutation",
-    build: Build::Scorer(|p| Ok(Arc::new(Random { seed: p.int("seed")? as u64 }))),
+    build: Build::Scorer(|p| {
+        Ok(Arc::new(Random {
+            seed: p.int("seed")? as u64,
+        }))
+    }),
 };
 
 pub struct Random {

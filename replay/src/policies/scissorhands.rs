@@ -10,12 +10,12 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, PolicyInfo};
 use crate::cache::HeadCache;
+use crate::info::{Build, Caps, PolicyInfo};
+use crate::params::{Kind, ParamInfo};
 use crate::policy::{PrefillCtx, StepCtx};
 use crate::scorer::{Scorer, Selected, StepScorer, Unit};
 use crate::select::{cmp_f32, Protect};
-use crate::params::{Kind, ParamInfo};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
@@ -159,7 +159,12 @@ impl Scorer for Scissorhands {
             })
             .collect();
         let heads = sel.units.iter().map(|u| u.heads.clone()).collect();
-        Some(Box::new(Pivotal { masks, heads, cfg: *self, counts: Vec::new() }))
+        Some(Box::new(Pivotal {
+            masks,
+            heads,
+            cfg: *self,
+            counts: Vec::new(),
+        }))
     }
 }
 

@@ -9,10 +9,10 @@
 use std::sync::Arc;
 
 use crate::info::{Build, Caps, PolicyInfo};
+use crate::params::{Kind, ParamInfo, Params};
 use crate::policy::{mean_rows, pool1d, Pool, PrefillCtx};
 use crate::scorer::{Scorer, Unit};
 use crate::select::Protect;
-use crate::params::{Kind, ParamInfo, Params};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
@@ -50,7 +50,12 @@ impl SnapKv {
                 msg: "the pooling kernel must be odd".into(),
             });
         }
-        Ok(SnapKv { w: p.int("w")?, k, pool: p.choice("pool")?, mean: false })
+        Ok(SnapKv {
+            w: p.int("w")?,
+            k,
+            pool: p.choice("pool")?,
+            mean: false,
+        })
     }
 
     fn compute(&self, ctx: &PrefillCtx, heads: std::ops::Range<usize>) -> Vec<f32> {
@@ -89,7 +94,10 @@ impl Scorer for SnapKv {
     /// the window rows, group mean, then pooling.
     fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
         // Budget-independent: computed once per trace and layer in a sweep.
-        let key = WindowVotes { cfg: *self, heads: u.heads.clone() };
+        let key = WindowVotes {
+            cfg: *self,
+            heads: u.heads.clone(),
+        };
         ctx.memo(key, || self.compute(ctx, u.heads.clone()))
             .as_ref()
             .clone()
@@ -98,6 +106,9 @@ impl Scorer for SnapKv {
         Ok(Protect::new(0, self.w, b))
     }
     fn across_heads(&self) -> Option<Arc<dyn Scorer>> {
-        Some(Arc::new(SnapKv { mean: true, ..*self }))
+        Some(Arc::new(SnapKv {
+            mean: true,
+            ..*self
+        }))
     }
 }

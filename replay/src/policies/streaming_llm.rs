@@ -7,10 +7,10 @@
 use std::sync::Arc;
 
 use crate::info::{Build, Caps, PolicyInfo};
+use crate::params::{Kind, ParamInfo};
 use crate::policy::PrefillCtx;
 use crate::scorer::{Equal, Scorer, Selected, StepScorer, Unit};
 use crate::select::Protect;
-use crate::params::{Kind, ParamInfo};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {

@@ -8,11 +8,11 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, PolicyInfo};
 use crate::cache::HeadCache;
+use crate::info::{Build, Caps, PolicyInfo};
+use crate::params::{Kind, ParamInfo};
 use crate::policy::{mean_rows, PrefillCtx, StepCtx};
 use crate::scorer::{Scorer, Selected, StepScorer, Unit};
-use crate::params::{Kind, ParamInfo};
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "tova",
@@ -34,7 +34,11 @@ pub struct Tova {
 
 impl Tova {
     /// The query heads whose attention scores a cache read by `heads`.
-    fn scoring_heads(&self, heads: &std::ops::Range<usize>, n_heads: usize) -> std::ops::Range<usize> {
+    fn scoring_heads(
+        &self,
+        heads: &std::ops::Range<usize>,
+        n_heads: usize,
+    ) -> std::ops::Range<usize> {
         if self.per_kv_head {
             heads.clone()
         } else {
@@ -65,7 +69,11 @@ impl Scorer for Tova {
         self.decode_evict
     }
     fn decoder(&self, ctx: &PrefillCtx, sel: &Selected) -> Option<Box<dyn StepScorer>> {
-        let heads = sel.units.iter().map(|u| self.scoring_heads(&u.heads, ctx.n_heads())).collect();
+        let heads = sel
+            .units
+            .iter()
+            .map(|u| self.scoring_heads(&u.heads, ctx.n_heads()))
+            .collect();
         Some(Box::new(StepMean { heads, last: None }))
     }
 }

@@ -284,7 +284,11 @@ pub fn run_group_steps(spec: &str, datas: &[LayerData], budget: usize) -> Vec<Ve
     let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
     let refs: Vec<&LayerData> = datas.iter().collect();
     let mut s = Session::prefill(policy.as_ref(), &refs, budget).unwrap();
-    let snapshot = |s: &Session| (0..datas.len()).map(|i| s.caches(i).to_vec()).collect::<Vec<_>>();
+    let snapshot = |s: &Session| {
+        (0..datas.len())
+            .map(|i| s.caches(i).to_vec())
+            .collect::<Vec<_>>()
+    };
     let mut out = vec![snapshot(&s)];
     let (p, t) = (datas[0].prompt_len, datas[0].total_len);
     for pos in p..t {
@@ -295,7 +299,8 @@ pub fn run_group_steps(spec: &str, datas: &[LayerData], budget: usize) -> Vec<Ve
                 (0..data.n_heads)
                     .map(|h| {
                         let cache = &s.caches(i)[s.cache_of(i, h)];
-                        let (_, w, z) = attend(data.q_row(h, pos), cache, data.scale, &data.backend).unwrap();
+                        let (_, w, z) =
+                            attend(data.q_row(h, pos), cache, data.scale, &data.backend).unwrap();
                         w.iter().map(|x| (x / z) as f32).collect::<Vec<f32>>()
                     })
                     .collect::<Vec<_>>(),

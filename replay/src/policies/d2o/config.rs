@@ -1,8 +1,8 @@
 //! D2o's configuration: its parameters as typed values, read from a
 //! spec, and the types its parts share (a leaf of the module).
 
-use crate::select::{top_k, Tie};
 use crate::params::{choice_enum, Params};
+use crate::select::{top_k, Tie};
 use crate::ReplayError;
 
 choice_enum! {
@@ -167,7 +167,13 @@ impl D2o {
     /// The first compression of a cache whose entry i is position i: keep the
     /// sinks (inside N, or inside M with `sink_slot=recent`), the N highest
     /// scores and the last M entries; returns the rest (to recall-and-merge).
-    pub(super) fn initial_evictions(&self, p: usize, st: &mut HeadState, n: usize, m: usize) -> Vec<usize> {
+    pub(super) fn initial_evictions(
+        &self,
+        p: usize,
+        st: &mut HeadState,
+        n: usize,
+        m: usize,
+    ) -> Vec<usize> {
         let (z, recent_start) = if self.sinks_in_recent() {
             let z = self.n_sink.min(m).min(p);
             (z, p.saturating_sub(m - z))

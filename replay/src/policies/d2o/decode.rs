@@ -2,11 +2,11 @@
 //! score outside the sinks and the last M entries (or run the deferred first
 //! compression), and recall-and-merge it.
 
-use super::config::{D2o, HeadState};
 use super::budgets::counts;
-use crate::select::{victim, Tie};
+use super::config::{D2o, HeadState};
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, StepCtx};
+use crate::select::{victim, Tie};
 
 pub(super) struct Decode {
     cfg: D2o,

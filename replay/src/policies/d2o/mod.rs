@@ -19,17 +19,17 @@
 //! (matching evicted tokens, the threshold, the merge passes), `decode` (the
 //! per-step eviction).
 
-mod config;
 mod budgets;
+mod config;
 mod decode;
 mod merge;
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::HeadCache;
-use crate::policy::{DecodeState, Policy, PrefillCtx};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
+use crate::policy::{DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;
 
 pub use config::*;

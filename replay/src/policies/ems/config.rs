@@ -1,9 +1,9 @@
 //! Ems's configuration: its parameters as typed values, read from a
 //! spec, and the types its parts share (a leaf of the module).
 
-use kvreplay_kernels::cpu::RopeCache;
 use crate::params::{choice_enum, Params};
 use crate::ReplayError;
+use kvreplay_kernels::cpu::RopeCache;
 
 choice_enum! {
     /// `gqa_mode`: how many caches a layer keeps.

@@ -5,11 +5,11 @@
 
 use kvreplay_kernels::cpu::l2_norm;
 
-use super::entry::{cos_plus_normed, unit, Entry, HeadState, Slot};
 use super::config::{DemoteRank, Ems, Shape, ZeroClass};
-use crate::select::{victim, Tie};
+use super::entry::{cos_plus_normed, unit, Entry, HeadState, Slot};
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, StepCtx};
+use crate::select::{victim, Tie};
 
 pub(super) struct Decode {
     cfg: Ems,
@@ -127,7 +127,13 @@ impl DecodeState for Decode {
                 };
                 let anchor = |e: usize| st.entries[e].as_ref().unwrap().anchor;
                 let ranks: Vec<f64> = (0..st.entries.len())
-                    .map(|e| if st.entries[e].is_some() { rank(e) } else { 0.0 })
+                    .map(|e| {
+                        if st.entries[e].is_some() {
+                            rank(e)
+                        } else {
+                            0.0
+                        }
+                    })
                     .collect();
                 let c = victim(&ranks, centres.iter().copied(), anchor, Tie::KeepLater).unwrap();
                 let mut target = None;

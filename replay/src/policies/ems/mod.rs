@@ -28,10 +28,10 @@ use std::sync::Arc;
 
 use kvreplay_kernels::cpu::RopeCache;
 
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::HeadCache;
-use crate::policy::{DecodeState, Policy, PrefillCtx};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
+use crate::policy::{DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;
 
 pub use config::*;

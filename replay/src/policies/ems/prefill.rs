@@ -4,10 +4,10 @@
 
 use kvreplay_kernels::cpu::l2_norm;
 
-use super::entry::{unit, Entry, HeadState, Slot, EPS};
 use super::config::{Ems, Shape, ZeroClass};
-use crate::select::{ranked, Tie};
+use super::entry::{unit, Entry, HeadState, Slot, EPS};
 use crate::policy::{pool1d, Pool, PrefillCtx};
+use crate::select::{ranked, Tie};
 
 /// (s_glo, s_loc) of one query head over the prompt positions.
 type Scores = (Vec<f64>, Vec<f64>);

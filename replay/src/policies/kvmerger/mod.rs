@@ -28,11 +28,11 @@ mod sets;
 
 use std::sync::Arc;
 
-use crate::select::{top_k, Tie};
-use crate::info::{Build, Caps, Family, PolicyInfo};
 use crate::cache::{HeadCache, F16_BITS};
-use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
+use crate::info::{Build, Caps, Family, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
+use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
+use crate::select::{top_k, Tie};
 use crate::ReplayError;
 
 pub use config::*;
@@ -101,7 +101,13 @@ impl Policy for KvMerger {
             (t - n_rec..t).for_each(|i| protected[i] = true);
             (0..sinks).for_each(|i| protected[i] = true);
             // heavy hitters; the reference keeps the earlier of equal scores
-            for i in top_k(&a, sinks..t - n_rec, n_hh.saturating_sub(sinks), |i| i, Tie::KeepEarlier) {
+            for i in top_k(
+                &a,
+                sinks..t - n_rec,
+                n_hh.saturating_sub(sinks),
+                |i| i,
+                Tie::KeepEarlier,
+            ) {
                 protected[i] = true;
             }
             let n_prot = protected.iter().filter(|x| **x).count();

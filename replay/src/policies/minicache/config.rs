@@ -90,4 +90,3 @@ impl MiniCache {
         ((n_layers as f64 * frac).floor() as usize).min(n_layers)
     }
 }
-

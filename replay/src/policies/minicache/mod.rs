@@ -28,10 +28,10 @@ mod slerp;
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::cache::HeadCache;
-use crate::policy::{DecodeState, GroupDecodeState, Policy, PrefillCtx, StepCtx};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
+use crate::policy::{DecodeState, GroupDecodeState, Policy, PrefillCtx, StepCtx};
 use crate::ReplayError;
 
 pub use config::*;

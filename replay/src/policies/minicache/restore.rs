@@ -4,9 +4,9 @@
 
 use kvreplay_kernels::cpu::l2_norm_f32;
 
+use super::config::MiniCache;
 use super::retention::Threshold;
 use super::slerp::{mean_merge, merge_token, Merged};
-use super::config::MiniCache;
 use crate::cache::{HeadCache, F16_BITS};
 
 /// Channels per quantisation group of a stored direction (b_dir < 16).

@@ -1,8 +1,8 @@
 //! MiniCache's retention: the distance threshold, frozen at prefill, above
 //! which (or, by rule, below which) a pair keeps its original vectors.
 
-use super::slerp::Merged;
 use super::config::{MiniCache, Rule};
+use super::slerp::Merged;
 use crate::select::cmp_f64;
 
 /// A retention threshold frozen at prefill.
