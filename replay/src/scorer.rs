@@ -140,6 +140,36 @@ impl<F: FnMut(&StepCtx, usize, &HeadCache) -> Vec<f32> + Send> StepScorer for Co
     }
 }
 
+/// A scorer whose score of a position is a function of its key alone
+/// (KNorm's −‖k‖₂): at decode, when `decode_evict`, every entry is rescored
+/// from its stored key (so a quantised key is scored as stored).
+pub struct KeyScorer {
+    pub score: fn(&[f32]) -> f32,
+    /// Layers left uncompressed.
+    pub skip_layers: Vec<usize>,
+    pub decode_evict: bool,
+}
+
+impl Scorer for KeyScorer {
+    fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
+        (0..ctx.prompt_len())
+            .map(|i| (self.score)(ctx.key(u.kv_head, i)))
+            .collect()
+    }
+    fn skip_layer(&self, layer: usize) -> bool {
+        self.skip_layers.contains(&layer)
+    }
+    fn decode_evict(&self) -> bool {
+        self.decode_evict
+    }
+    fn decoder(&self, _: &PrefillCtx, _: &Selected) -> Option<Box<dyn StepScorer>> {
+        let f = self.score;
+        Computed::boxed(move |_: &StepCtx, _: usize, c: &HeadCache| {
+            (0..c.len()).map(|e| f(c.key(e))).collect()
+        })
+    }
+}
+
 /// How a layer's budget is spread over its caches.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Allocation {

@@ -1,12 +1,11 @@
 //! KNorm (docs/methods/knorm.md): s_i = −‖k_i‖₂ per KV head, no attention,
 //! window or sinks; `skip_layers` stay uncompressed; `decode_evict` evicts the largest-norm key.
 
+use std::sync::Arc;
+
 use crate::info::{Build, Caps, Phase, PolicyInfo};
-use crate::{
-    params::{Kind, ParamInfo},
-    scorer::{Computed, Scorer, Selected, StepScorer, Unit},
-    HeadCache, PrefillCtx, StepCtx,
-};
+use crate::params::{Kind, ParamInfo};
+use crate::scorer::KeyScorer;
 use kvreplay_kernels::cpu::l2_norm;
 
 pub static INFO: PolicyInfo = PolicyInfo {
@@ -19,28 +18,10 @@ pub static INFO: PolicyInfo = PolicyInfo {
     ],
     caps: Caps { phase: Phase::PrefillByDefault, ..Caps::EVICT_PREFILL },
     test: "knorm_keeps_the_smallest_keys_and_skips_layers",
-    build: Build::Scorer(|p| Ok(std::sync::Arc::new(KNorm { skip_layers: p.int_list("skip_layers")?, decode_evict: p.bool("decode_evict")? }))),
+    build: Build::Scorer(|p| Ok(Arc::new(KeyScorer { score: knorm, skip_layers: p.int_list("skip_layers")?, decode_evict: p.bool("decode_evict")? }))),
 };
 
-pub struct KNorm {
-    pub skip_layers: Vec<usize>,
-    pub decode_evict: bool,
-}
-impl Scorer for KNorm {
-    fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
-        (0..ctx.prompt_len())
-            .map(|i| -l2_norm(ctx.key(u.kv_head, i)) as f32)
-            .collect()
-    }
-    fn skip_layer(&self, layer: usize) -> bool {
-        self.skip_layers.contains(&layer)
-    }
-    fn decode_evict(&self) -> bool {
-        self.decode_evict
-    }
-    fn decoder(&self, _: &PrefillCtx, _: &Selected) -> Option<Box<dyn StepScorer>> {
-        Computed::boxed(|_: &StepCtx, _: usize, c: &HeadCache| {
-            (0..c.len()).map(|e| -l2_norm(c.key(e)) as f32).collect()
-        })
-    }
+/// The score of a key: minus its L2 norm (f64 sum, as the reference).
+pub fn knorm(k: &[f32]) -> f32 {
+    -l2_norm(k) as f32
 }
