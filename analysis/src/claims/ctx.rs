@@ -52,7 +52,8 @@ pub(crate) struct Ctx<'a> {
     pub(super) trace: &'a Trace,
     /// Replays of the trace, sharing its layers and budget-independent results.
     pub(super) tr: kvreplay_replay::TraceReplay<'a>,
-    pub(super) layers: Vec<LayerData>,
+    /// Every layer as f32: the replays' own copies.
+    pub(super) layers: Vec<std::sync::Arc<LayerData>>,
     pub(super) p: usize,
     pub(super) errors: HashMap<(String, usize), f64>,
 }

@@ -21,8 +21,6 @@
 
 use std::collections::HashMap;
 
-use kvreplay_replay::engine::{load_layer_shared, prompt_colsums};
-use kvreplay_replay::policy::LayerData;
 use kvreplay_replay::ReplayError;
 use kvreplay_traces::Trace;
 
@@ -57,13 +55,12 @@ pub fn measure(trace: &Trace) -> Result<Vec<Claim>, ReplayError> {
             ),
         });
     }
-    let colsums = prompt_colsums(trace);
-    let layers: Vec<LayerData> = (0..trace.n_layers())
-        .map(|l| load_layer_shared(trace, l, &colsums))
-        .collect();
+    // one f32 copy of each layer, shared by the direct measurements and the replays
+    let tr = kvreplay_replay::TraceReplay::new(trace, &Default::default())?;
+    let layers = (0..trace.n_layers()).map(|l| tr.layer(l)).collect();
     let mut c = Ctx {
         trace,
-        tr: kvreplay_replay::TraceReplay::new(trace, &Default::default())?,
+        tr,
         layers,
         p,
         errors: HashMap::new(),
