@@ -16,8 +16,7 @@ use crate::policy::{GroupDecodeState, LayerData, Policy, PrefillCtx, StepCtx};
 use crate::ReplayError;
 
 /// A policy's caches for a set of layers, between prefill and the end of decode.
-pub struct Session<'p> {
-    policy: &'p dyn Policy,
+pub struct Session {
     budget: usize,
     /// Per covered layer: its index in the model, query heads per KV head,
     /// query heads, softmax scale.
@@ -39,15 +38,15 @@ struct LayerShape {
     per_query: bool,
 }
 
-impl<'p> Session<'p> {
+impl Session {
     /// Prefill: the policy builds the caches of `layers` (given in model
     /// order; they must be whole layer groups of the policy, e.g. one layer
     /// for most policies, adjacent pairs for MiniCache, or every layer).
     pub fn prefill(
-        policy: &'p dyn Policy,
+        policy: &dyn Policy,
         layers: &[&LayerData],
         budget: usize,
-    ) -> Result<Session<'p>, ReplayError> {
+    ) -> Result<Session, ReplayError> {
         let first = layers.first().expect("a session covers at least one layer");
         let covered: Vec<usize> = layers.iter().map(|d| d.layer).collect();
         let all = policy.layer_groups(first.n_layers, budget, first.prompt_len);
@@ -116,23 +115,12 @@ impl<'p> Session<'p> {
             })
             .collect::<Result<_, _>>()?;
         Ok(Session {
-            policy,
             budget,
             layers: shapes,
             caches,
             groups,
             states,
         })
-    }
-
-    /// The policy the session drives.
-    pub fn policy(&self) -> &dyn Policy {
-        self.policy
-    }
-
-    /// Number of covered layers.
-    pub fn n_layers(&self) -> usize {
-        self.layers.len()
     }
 
     /// The caches of covered layer `i`.
