@@ -75,7 +75,7 @@ impl Params {
     /// A number above 0.
     pub fn float_positive(&self, key: &str) -> Result<f64, ReplayError> {
         let x = self.float(key)?;
-        if !(x > 0.0) {
+        if x.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
             return Err(self.bad(key, "must be above 0".into()));
         }
         Ok(x)

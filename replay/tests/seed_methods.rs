@@ -12,6 +12,11 @@ use std::sync::Arc;
 
 // ---------------------------------------------------------------- helpers
 
+/// An expected entry: (members, key, value, bias).
+type Expected = (Vec<u32>, Vec<f64>, Vec<f64>, f64);
+/// A sigma case: (spec, pivot, σ from the member distances).
+type SigmaCase<'a> = (&'a str, usize, &'a dyn Fn(&[f64]) -> f64);
+
 fn prefill(spec: &str, data: &LayerData, budget: usize) -> Vec<HeadCache> {
     let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
     policy.prefill(&PrefillCtx::new(data, budget)).unwrap().0
@@ -676,7 +681,7 @@ fn d2o_ema_threshold_decides_each_decode_merge() {
             .collect()
     };
     // entries: (members, key, value, score)
-    let mut entries: Vec<(Vec<u32>, Vec<f64>, Vec<f64>, f64)> = vec![
+    let mut entries: Vec<Expected> = vec![
         (vec![0], k(0), v(0), 9.0),
         (
             vec![1, 2],
@@ -693,7 +698,7 @@ fn d2o_ema_threshold_decides_each_decode_merge() {
         (vec![7], k(7), v(7), 1.0),
     ];
     let steps = run_steps("d2o:n_sink=1,beta=0.3", &data, 4);
-    let check = |c: &HeadCache, entries: &[(Vec<u32>, Vec<f64>, Vec<f64>, f64)], at: &str| {
+    let check = |c: &HeadCache, entries: &[Expected], at: &str| {
         assert_eq!(
             c.members,
             entries.iter().map(|e| e.0.clone()).collect::<Vec<_>>(),
@@ -843,7 +848,7 @@ fn kvmerger_sigma_and_pivot_variants_give_the_exact_gaussian_merge() {
         })
         .collect();
     assert!((within[0] - 11.0 / 6.0).abs() < 1e-12 && within[0] > within[1]);
-    let cases: [(&str, usize, &dyn Fn(&[f64]) -> f64); 7] = [
+    let cases: [SigmaCase; 7] = [
         ("", 1, &adaptive),
         (",sigma=adaptive", 1, &adaptive),
         (",exclude_pivot_in_sigma=true", 1, &excl),
@@ -919,6 +924,7 @@ fn minicache_pair() -> [LayerData; 2] {
             .map(|&(n, a)| deg(a).iter().map(|c| (n * *c as f64) as f32).collect())
             .collect()
     };
+    #[allow(clippy::approx_constant)] // 3.14 is a key norm here, not π
     let ka = [
         (2.3, 0.0),
         (1.37, 30.0),
@@ -952,7 +958,13 @@ fn minicache_pair() -> [LayerData; 2] {
         (1.11, 250.0),
     ];
     let q = vec![vec![1.0f32, 0.0]; 6];
-    let mut a = explicit_layer(&[q.clone()], &[polar(&ka)], &[polar(&va)], 4, 1.0);
+    let mut a = explicit_layer(
+        std::slice::from_ref(&q),
+        &[polar(&ka)],
+        &[polar(&va)],
+        4,
+        1.0,
+    );
     let mut b = explicit_layer(&[q], &[polar(&kb)], &[polar(&vb)], 4, 1.0);
     a.n_layers = 2;
     b.n_layers = 2;
@@ -1039,6 +1051,7 @@ fn minicache_restores_retained_positions_exactly_and_merged_ones_from_norm_and_d
         let tau = mx - 0.05 * (mx - mn);
         let kept: Vec<usize> = (0..4).filter(|&e| d[e] > tau).collect();
         assert_eq!(kept, vec![want_kept], "{half}: distances {d:?}, τ {tau}");
+        #[allow(clippy::needless_range_loop)] // e indexes both layers' caches and `merged`
         for e in 0..4 {
             let at = format!("{half} of position {e}");
             if e == want_kept {
