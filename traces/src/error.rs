@@ -45,11 +45,41 @@ pub enum TraceError {
         rel_err: f64,
         tol: f64,
     },
+    #[error("{path}: not a regular file (a FIFO, device or directory); layer files must be the plain files `kvreplay capture` writes")]
+    NotAFile { path: PathBuf },
+    #[error("{path}: tensor `{tensor}`, layer {layer}, head {head}, position {position} holds {value}; the capture produced a non-finite value (an overflow: recapture with --dtype f32 or bf16), replay cannot use it")]
+    NonFinite {
+        path: PathBuf,
+        tensor: String,
+        layer: usize,
+        head: usize,
+        position: usize,
+        value: String,
+    },
     #[error("{path}: {msg}")]
     Output { path: PathBuf, msg: String },
 }
 
 impl TraceError {
+    /// The same error about `path` (for errors made without a file, e.g. by
+    /// [`crate::Manifest::parse`]).
+    pub fn at(self, path: &std::path::Path) -> TraceError {
+        match self {
+            TraceError::Manifest { msg, .. } => TraceError::Manifest {
+                path: path.to_path_buf(),
+                msg,
+            },
+            TraceError::NewerVersion {
+                found, supported, ..
+            } => TraceError::NewerVersion {
+                path: path.to_path_buf(),
+                found,
+                supported,
+            },
+            other => other,
+        }
+    }
+
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         TraceError::Io {
             path: path.into(),

@@ -21,7 +21,7 @@ pub use manifest::{
     CaptureInfo, Dtype, FileEntry, Generation, Manifest, ModelInfo, Rope, RopeScaling, RopeStyle,
     SourceFile, Span, Tokens, FORMAT_NAME, FORMAT_VERSION,
 };
-pub use reader::{HeadView, LayerView, Trace};
+pub use reader::{HeadView, LayerView, Reads, Trace};
 pub use verify::{verify, VerifyOptions, VerifyReport};
 pub use writer::{LayerWriter, TensorKind, TraceLayout, TraceWriter};
 
@@ -47,6 +47,6 @@ pub fn sha256_file(path: &std::path::Path) -> std::io::Result<String> {
     Ok(hex(&h.finalize()))
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

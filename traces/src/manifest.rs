@@ -199,25 +199,63 @@ impl Manifest {
     /// a newer trace gets the "upgrade" message, not a parse error), then the
     /// full structure and its internal consistency.
     pub fn read(dir: &Path) -> Result<Manifest, TraceError> {
+        Manifest::read_with_id(dir).map(|(m, _)| m)
+    }
+
+    /// [`Manifest::read`], plus the sha256 of the manifest's bytes.
+    pub fn read_with_id(dir: &Path) -> Result<(Manifest, String), TraceError> {
         let path = dir.join("manifest.json");
-        if !dir.is_dir() {
-            return Err(TraceError::Io {
-                path: dir.to_path_buf(),
-                err: std::io::Error::new(std::io::ErrorKind::NotFound, "trace directory not found"),
-            });
+        match std::fs::metadata(dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(TraceError::Io {
+                    path: dir.to_path_buf(),
+                    err: std::io::Error::new(
+                        std::io::ErrorKind::NotFound,
+                        "trace directory not found",
+                    ),
+                })
+            }
+            Err(e) => return Err(TraceError::io(dir, e)),
+            Ok(m) if !m.is_dir() => {
+                return Err(TraceError::Io {
+                    path: dir.to_path_buf(),
+                    err: std::io::Error::other(
+                        "is a file, not a trace: a trace is the directory `kvreplay capture` writes",
+                    ),
+                })
+            }
+            Ok(_) => {}
         }
         if !path.exists() {
             return Err(TraceError::NotATrace {
                 path: dir.to_path_buf(),
             });
         }
-        let text = std::fs::read_to_string(&path).map_err(|e| TraceError::io(&path, e))?;
+        if !std::fs::metadata(&path).is_ok_and(|m| m.is_file()) {
+            return Err(TraceError::NotAFile { path });
+        }
+        let bytes = std::fs::read(&path).map_err(|e| TraceError::io(&path, e))?;
+        let id = {
+            use sha2::{Digest, Sha256};
+            crate::hex(&Sha256::digest(&bytes))
+        };
+        let text = String::from_utf8(bytes).map_err(|_| TraceError::Manifest {
+            path: path.clone(),
+            msg: "not UTF-8 text".into(),
+        })?;
+        Ok((Manifest::parse(&text).map_err(|e| e.at(&path))?, id))
+    }
+
+    /// Parse and check a manifest's text (errors carry an empty path: see
+    /// [`TraceError::at`]).
+    pub fn parse(text: &str) -> Result<Manifest, TraceError> {
+        let path = std::path::PathBuf::new();
         let bad = |msg: String| TraceError::Manifest {
             path: path.clone(),
             msg,
         };
         let value: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+            serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
         match value.get("format").and_then(|f| f.as_str()) {
             Some(FORMAT_NAME) => {}
             other => {
@@ -237,6 +275,12 @@ impl Manifest {
                 supported: FORMAT_VERSION,
             });
         }
+        if version == 0 {
+            return Err(bad(
+                "field `format_version` is 0; versions start at 1: this is not a manifest kvreplay wrote"
+                    .into(),
+            ));
+        }
         let m: Manifest = serde_json::from_value(value).map_err(|e| bad(e.to_string()))?;
         m.check().map_err(bad)?;
         Ok(m)
@@ -254,6 +298,26 @@ impl Manifest {
             return Err(format!(
                 "model: n_heads ({}) is not a multiple of n_kv_heads ({})",
                 m.n_heads, m.n_kv_heads
+            ));
+        }
+        let positive = |name: &str, v: f64, max: f64| {
+            if v.is_finite() && v > 0.0 && v <= max {
+                Ok(())
+            } else {
+                Err(format!("model: {name} is {v}, expected a finite value in (0, {max:e}]"))
+            }
+        };
+        // 1/sqrt(head_dim) in every supported model; a few use 1; 10 is absurd
+        positive("attn_scale", m.attn_scale, 10.0)?;
+        positive("norm_eps", m.norm_eps, 1.0)?;
+        positive("rope.theta", m.rope.theta, 1e12)?;
+        if let RopeScaling::Linear { factor } = m.rope.scaling {
+            positive("rope.scaling.factor", factor, 1e6)?;
+        }
+        if m.rope.rotated_dims > m.head_dim || m.rope.rotated_dims % 2 != 0 {
+            return Err(format!(
+                "model: rope.rotated_dims {} must be even and at most head_dim {}",
+                m.rope.rotated_dims, m.head_dim
             ));
         }
         let t = &self.tokens;

@@ -13,6 +13,20 @@ pub struct Trace {
     dir: PathBuf,
     pub manifest: Manifest,
     layers: Vec<LayerFile>,
+    /// sha256 of `manifest.json`'s bytes: names this capture's content (the
+    /// manifest holds every layer file's sha256).
+    content_id: String,
+    verified: bool,
+}
+
+/// Whether [`Trace::open_with`] checks what it reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reads {
+    /// Every layer file's sha256 must equal the manifest's, and q/k/v/o and
+    /// the statistics must be finite (about a second per GB).
+    Verified,
+    /// Sizes, headers and shapes only (`--no-verify`).
+    Unverified,
 }
 
 /// name -> (dtype, shape, absolute byte range in the file)
@@ -25,20 +39,38 @@ struct LayerFile {
 }
 
 impl Trace {
-    /// Open a trace: parse the manifest, map every layer file and check that
-    /// sizes, headers and shapes agree with it. Checksums are left to `verify`.
+    /// Open a trace with verified reads: parse the manifest, map every layer
+    /// file, check that sizes, headers and shapes agree with it, that each
+    /// file's sha256 is the manifest's and that every stored value is finite.
     pub fn open(dir: impl AsRef<Path>) -> Result<Trace, TraceError> {
+        Trace::open_with(dir, Reads::Verified)
+    }
+
+    /// [`Trace::open`] without the checksum and finiteness checks.
+    pub fn open_unverified(dir: impl AsRef<Path>) -> Result<Trace, TraceError> {
+        Trace::open_with(dir, Reads::Unverified)
+    }
+
+    pub fn open_with(dir: impl AsRef<Path>, reads: Reads) -> Result<Trace, TraceError> {
         let dir = dir.as_ref().to_path_buf();
-        let manifest = Manifest::read(&dir)?;
+        let (manifest, content_id) = Manifest::read_with_id(&dir)?;
         let layout = manifest.layout();
         let mut layers = Vec::with_capacity(manifest.files.len());
         for entry in &manifest.files {
             let path = dir.join(&entry.file);
-            if !path.exists() {
-                return Err(TraceError::MissingLayer {
-                    path,
-                    layer: entry.layer,
-                });
+            let meta = match std::fs::metadata(&path) {
+                Ok(m) => m,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    return Err(TraceError::MissingLayer {
+                        path,
+                        layer: entry.layer,
+                    })
+                }
+                Err(e) => return Err(TraceError::io(&path, e)),
+            };
+            // a FIFO or device would block or never end: only plain files
+            if !meta.is_file() {
+                return Err(TraceError::NotAFile { path });
             }
             let file = std::fs::File::open(&path).map_err(|e| TraceError::io(&path, e))?;
             let actual = file.metadata().map_err(|e| TraceError::io(&path, e))?.len();
@@ -53,17 +85,34 @@ impl Trace {
             // a concurrent rewrite replaces the directory by rename.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| TraceError::io(&path, e))?;
             let tensors = parse_layer(&path, &mmap, &layout)?;
-            layers.push(LayerFile {
+            let layer = LayerFile {
                 path,
                 mmap,
                 tensors,
-            });
+            };
+            if reads == Reads::Verified {
+                verify_layer(&layer, entry)?;
+            }
+            layers.push(layer);
         }
         Ok(Trace {
             dir,
             manifest,
             layers,
+            content_id,
+            verified: reads == Reads::Verified,
         })
+    }
+
+    /// sha256 of the manifest: two traces with the same id hold the same
+    /// capture (the manifest records every layer file's sha256).
+    pub fn content_id(&self) -> &str {
+        &self.content_id
+    }
+
+    /// Whether the files were checked against the manifest when opened.
+    pub fn verified(&self) -> bool {
+        self.verified
     }
 
     pub fn dir(&self) -> &Path {
@@ -144,6 +193,58 @@ fn parse_layer(path: &Path, bytes: &[u8], layout: &TraceLayout) -> Result<Tensor
         );
     }
     Ok(out)
+}
+
+/// Check a layer file against its manifest entry: sha256 (which also catches
+/// a layer file swapped for or linked to another) and finite values.
+fn verify_layer(layer: &LayerFile, entry: &crate::FileEntry) -> Result<(), TraceError> {
+    use sha2::{Digest, Sha256};
+    let path = &layer.path;
+    let sha = crate::hex(&Sha256::digest(&layer.mmap[..]));
+    if sha != entry.sha256 {
+        return Err(TraceError::Checksum {
+            path: path.clone(),
+            expected: entry.sha256.clone(),
+            actual: sha,
+        });
+    }
+    check_finite(layer, entry.layer)
+}
+
+/// The first non-finite stored value of a layer, named by tensor, head and position.
+fn check_finite(layer: &LayerFile, l: usize) -> Result<(), TraceError> {
+    for (name, (dtype, shape, range)) in &layer.tensors {
+        let bytes = &layer.mmap[range.clone()];
+        let sz = dtype.size();
+        // all-ones exponent: inf or NaN
+        let bad = |c: &[u8]| match dtype {
+            Dtype::F32 => u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000 == 0x7f80_0000,
+            Dtype::F16 => u16::from_le_bytes([c[0], c[1]]) & 0x7c00 == 0x7c00,
+            Dtype::Bf16 => u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80,
+        };
+        if let Some(i) = bytes.chunks_exact(sz).position(bad) {
+            // shapes are (heads, rows[, cols])
+            let per_head: usize = shape[1..].iter().product();
+            let cols: usize = shape[2..].iter().product();
+            let (head, position) = (i / per_head, (i % per_head) / cols.max(1));
+            let mut v = [0u8; 4];
+            v[..sz].copy_from_slice(&bytes[i * sz..(i + 1) * sz]);
+            let value = match dtype {
+                Dtype::F32 => f32::from_le_bytes(v),
+                Dtype::F16 => half::f16::from_le_bytes([v[0], v[1]]).to_f32(),
+                Dtype::Bf16 => half::bf16::from_le_bytes([v[0], v[1]]).to_f32(),
+            };
+            return Err(TraceError::NonFinite {
+                path: layer.path.clone(),
+                tensor: name.clone(),
+                layer: l,
+                head,
+                position,
+                value: value.to_string(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// One layer of a trace.

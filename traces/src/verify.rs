@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use crate::{Dtype, Manifest, Trace, TraceError};
+use crate::{Dtype, Trace, TraceError};
 
 #[derive(Clone, Debug)]
 pub struct VerifyOptions {
@@ -47,37 +47,9 @@ pub fn default_tolerance(dtype: Dtype) -> f64 {
 }
 
 pub fn verify(dir: &Path, opts: &VerifyOptions) -> Result<VerifyReport, TraceError> {
-    let manifest = Manifest::read(dir)?;
-    let mut bytes_checked = 0;
-    for entry in &manifest.files {
-        let path = dir.join(&entry.file);
-        if !path.exists() {
-            return Err(TraceError::MissingLayer {
-                path,
-                layer: entry.layer,
-            });
-        }
-        let actual = std::fs::metadata(&path)
-            .map_err(|e| TraceError::io(&path, e))?
-            .len();
-        if actual != entry.size {
-            return Err(TraceError::Size {
-                path,
-                expected: entry.size,
-                actual,
-            });
-        }
-        let sha = crate::sha256_file(&path).map_err(|e| TraceError::io(&path, e))?;
-        if sha != entry.sha256 {
-            return Err(TraceError::Checksum {
-                path,
-                expected: entry.sha256.clone(),
-                actual: sha,
-            });
-        }
-        bytes_checked += actual;
-    }
+    // sizes, sha256 of every file and finite values: a verified open
     let trace = Trace::open(dir)?;
+    let bytes_checked = trace.manifest.files.iter().map(|f| f.size).sum();
     let m = &trace.manifest;
     let tol = opts
         .tolerance
@@ -117,7 +89,7 @@ pub fn verify(dir: &Path, opts: &VerifyOptions) -> Result<VerifyReport, TraceErr
         }
     }
     Ok(VerifyReport {
-        files_checked: manifest.files.len(),
+        files_checked: trace.manifest.files.len(),
         bytes_checked,
         positions_checked: positions.len() * m.model.n_heads * m.model.n_layers,
         max_rel_err,

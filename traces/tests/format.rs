@@ -340,3 +340,184 @@ fn a_missing_tensor_is_named_with_the_flag_that_adds_it() {
         "{e}"
     );
 }
+
+/// Rewrite one layer file of `out` with `edit`, and record its new sha256 in
+/// the manifest as a capture that wrote those bytes would have.
+fn rewrite_layer(out: &Path, layer: usize, edit: impl FnOnce(&mut Vec<u8>)) {
+    let f = out.join(layer_file_name(layer));
+    let mut b = std::fs::read(&f).unwrap();
+    edit(&mut b);
+    std::fs::write(&f, &b).unwrap();
+    let p = out.join("manifest.json");
+    let mut m: Manifest = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    m.files[layer].sha256 = sha256_file(&f).unwrap();
+    m.files[layer].size = b.len() as u64;
+    std::fs::write(&p, serde_json::to_string_pretty(&m).unwrap()).unwrap();
+}
+
+/// Byte offset of element (head, row, col) of `tensor` in a layer file.
+fn offset_of(file: &[u8], tensor: &str, head: usize, row: usize, col: usize) -> usize {
+    let st = safetensors::SafeTensors::deserialize(file).unwrap();
+    let tv = st.tensor(tensor).unwrap();
+    let (rows, cols) = (tv.shape()[1], tv.shape()[2]);
+    let sz = tv.data().len() / tv.shape().iter().product::<usize>();
+    tv.data().as_ptr() as usize - file.as_ptr() as usize + ((head * rows + row) * cols + col) * sz
+}
+
+#[test]
+fn open_refuses_a_flipped_byte_and_unverified_reads_skip_the_check() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = write_trace(tmp.path(), Dtype::F16);
+    let f = out.join("layer-000.safetensors");
+    let mut b = std::fs::read(&f).unwrap();
+    let n = b.len();
+    b[n - 3] ^= 0x10;
+    std::fs::write(&f, b).unwrap();
+    let e = Trace::open(&out).err().expect("a flipped byte is refused");
+    assert!(matches!(e, TraceError::Checksum { .. }), "{e}");
+    assert!(e.to_string().contains("layer-000.safetensors"), "{e}");
+    let t = Trace::open_unverified(&out).unwrap();
+    assert!(!t.verified());
+    assert!(Trace::open(write_trace(&tmp.path().join("b"), Dtype::F16)).unwrap().verified());
+}
+
+#[test]
+fn open_refuses_swapped_k_and_v_offsets() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = write_trace(tmp.path(), Dtype::F16);
+    let f = out.join("layer-001.safetensors");
+    let mut b = std::fs::read(&f).unwrap();
+    let hlen = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let mut h: serde_json::Value = serde_json::from_slice(&b[8..8 + hlen]).unwrap();
+    let (k, v) = (h["k"]["data_offsets"].clone(), h["v"]["data_offsets"].clone());
+    h["k"]["data_offsets"] = v;
+    h["v"]["data_offsets"] = k;
+    let mut text = serde_json::to_string(&h).unwrap();
+    assert!(text.len() <= hlen, "the edited header fits in place");
+    text.push_str(&" ".repeat(hlen - text.len()));
+    b[8..8 + hlen].copy_from_slice(text.as_bytes());
+    std::fs::write(&f, b).unwrap();
+    // the file is a valid safetensors file whose k and v are swapped
+    assert!(Trace::open_unverified(&out).is_ok());
+    let e = Trace::open(&out).err().expect("swapped offsets are refused");
+    assert!(
+        matches!(e, TraceError::Checksum { .. }) && e.to_string().contains("layer-001"),
+        "{e}"
+    );
+}
+
+#[test]
+fn open_refuses_a_layer_file_linked_to_another_layer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = write_trace(tmp.path(), Dtype::F16);
+    let f = out.join("layer-001.safetensors");
+    std::fs::remove_file(&f).unwrap();
+    std::os::unix::fs::symlink(out.join("layer-000.safetensors"), &f).unwrap();
+    let e = Trace::open(&out).err().expect("a linked layer file is refused");
+    assert!(
+        matches!(e, TraceError::Checksum { .. }) && e.to_string().contains("layer-001"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_non_finite_value_is_named_by_file_tensor_layer_head_and_position() {
+    for (dtype, nan) in [
+        (Dtype::F16, vec![0x00, 0x7e]),
+        (Dtype::Bf16, vec![0xc0, 0x7f]),
+        (Dtype::F32, vec![0x00, 0x00, 0x80, 0x7f]), // +inf
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = write_trace(tmp.path(), dtype);
+        rewrite_layer(&out, 1, |b| {
+            let at = offset_of(b, "k", 1, 3, 5);
+            b[at..at + nan.len()].copy_from_slice(&nan);
+        });
+        assert!(verify(&out, &VerifyOptions::default()).is_err());
+        let e = Trace::open(&out).err().expect("a non-finite value is refused");
+        let TraceError::NonFinite {
+            ref path,
+            ref tensor,
+            layer,
+            head,
+            position,
+            ref value,
+        } = e
+        else {
+            panic!("{dtype:?}: {e}")
+        };
+        assert_eq!(
+            (tensor.as_str(), layer, head, position),
+            ("k", 1, 1, 3),
+            "{dtype:?}"
+        );
+        assert!(path.ends_with("layer-001.safetensors"));
+        assert_eq!(value, if dtype == Dtype::F32 { "inf" } else { "NaN" });
+        assert!(e.to_string().contains("position 3"), "{e}");
+    }
+}
+
+#[test]
+fn a_fifo_as_a_layer_file_is_refused_without_blocking() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = write_trace(tmp.path(), Dtype::F16);
+    let f = out.join("layer-001.safetensors");
+    std::fs::remove_file(&f).unwrap();
+    let made = std::process::Command::new("mkfifo").arg(&f).status();
+    if !made.is_ok_and(|s| s.success()) {
+        println!("not run: `mkfifo` is not available here");
+        return;
+    }
+    for e in [
+        Trace::open(&out).err(),
+        Trace::open_unverified(&out).err(),
+    ] {
+        let e = e.expect("a FIFO is refused");
+        assert!(matches!(e, TraceError::NotAFile { .. }), "{e}");
+        assert!(e.to_string().contains("layer-001.safetensors"), "{e}");
+    }
+}
+
+#[test]
+fn a_file_given_as_a_trace_is_called_a_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = write_trace(tmp.path(), Dtype::F16);
+    let e = Trace::open(out.join("manifest.json"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("is a file, not a trace"), "{e}");
+    assert!(!e.contains("not found"), "{e}");
+}
+
+#[test]
+fn manifest_version_zero_and_absurd_model_numbers_are_refused() {
+    for (field, from, to) in [
+        ("format_version", "\"format_version\": 1", "\"format_version\": 0"),
+        ("attn_scale", "\"attn_scale\": 0.35355339059327373", "\"attn_scale\": 1e300"),
+        ("norm_eps", "\"norm_eps\": 0.00001,", "\"norm_eps\": -1.0,"),
+        ("rope.theta", "\"theta\": 10000.0", "\"theta\": 0.0"),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = write_trace(tmp.path(), Dtype::F16);
+        let p = out.join("manifest.json");
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert!(text.contains(from), "{from} in {text}");
+        std::fs::write(&p, text.replace(from, to)).unwrap();
+        let e = Trace::open(&out).err().expect("refused").to_string();
+        assert!(e.contains("manifest.json") && e.contains(field), "{field}: {e}");
+    }
+}
+
+#[test]
+fn the_content_id_names_the_capture_not_the_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = write_trace(&tmp.path().join("a"), Dtype::F16);
+    let b = write_trace(&tmp.path().join("b"), Dtype::F16);
+    let c = write_trace(&tmp.path().join("c"), Dtype::F32);
+    let id = |p: &Path| Trace::open(p).unwrap().content_id().to_string();
+    // same content (same manifest bytes) in two folders: one id; other bytes: another
+    assert_eq!(id(&a), id(&b));
+    assert_ne!(id(&a), id(&c));
+    assert_eq!(id(&a).len(), 64);
+}
