@@ -440,6 +440,8 @@ pub fn write(out: &Path, plan: &Plan) -> Result<(), SweepError> {
         )));
     }
     let has_needle = points.iter().any(|p| p.summary.needle_retention.is_some());
+    let unverified = points.iter().filter(|p| p.unverified).count();
+    let failed = crate::sweep::load_failed(out, plan)?;
     let a = Agg::new(plan, points);
     fn plot_err(name: &'static str) -> impl Fn(Box<dyn std::error::Error>) -> SweepError {
         move |e| SweepError::Plan(format!("plotting {name}: {e}"))
@@ -453,14 +455,25 @@ pub fn write(out: &Path, plan: &Plan) -> Result<(), SweepError> {
         ),
         ("layer_error_heatmap.svg", "Error per layer"),
     ];
-    error_vs_budget(&a, &out.join(plots[0].0)).map_err(plot_err(plots[0].0))?;
-    error_vs_memory(&a, &out.join(plots[1].0)).map_err(plot_err(plots[1].0))?;
-    retention_by_position(&a, &out.join(plots[2].0)).map_err(plot_err(plots[2].0))?;
-    layer_heatmap(&a, &out.join(plots[3].0)).map_err(plot_err(plots[3].0))?;
+    // each plot is drawn under a temporary name and renamed when whole
+    let plot = |name: &'static str, f: &dyn Fn(&Agg, &Path) -> PlotResult| {
+        let tmp = out.join(format!(".{name}.{}.tmp", std::process::id()));
+        if let Err(e) = f(&a, &tmp) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(plot_err(name)(e));
+        }
+        std::fs::rename(&tmp, out.join(name)).map_err(|err| SweepError::Io {
+            path: out.join(name),
+            err,
+        })
+    };
+    plot(plots[0].0, &error_vs_budget)?;
+    plot(plots[1].0, &error_vs_memory)?;
+    plot(plots[2].0, &retention_by_position)?;
+    plot(plots[3].0, &layer_heatmap)?;
     if has_needle {
         plots.push(("needle_retention.svg", "Needle retention against budget"));
-        needle_retention(&a, &out.join("needle_retention.svg"))
-            .map_err(plot_err("needle_retention.svg"))?;
+        plot("needle_retention.svg", &needle_retention)?;
     }
     // The report: plots inline, the summary table, provenance.
     let mut html = String::from("<!doctype html><html><head><meta charset=\"utf-8\"><title>kvreplay sweep report</title><style>body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}code{font-size:12px}</style></head><body>");
@@ -498,12 +511,34 @@ pub fn write(out: &Path, plan: &Plan) -> Result<(), SweepError> {
             ));
         }
     }
-    html.push_str("</table><h2>Provenance</h2><ul>");
-    for t in &plan.traces {
+    html.push_str("</table>");
+    if !failed.is_empty() {
+        html.push_str(&format!(
+            "<h2>Failed points ({}, also in <code>failed.csv</code>)</h2><ul>",
+            failed.len()
+        ));
+        for f in &failed {
+            html.push_str(&format!(
+                "<li><code>{}</code> <code>{}</code> B={}: {}</li>",
+                esc(&f.trace),
+                esc(&f.policy_spec),
+                f.budget,
+                esc(&f.reason)
+            ));
+        }
+        html.push_str("</ul>");
+    }
+    html.push_str("<h2>Provenance</h2>");
+    if unverified > 0 {
+        html.push_str(&format!("<p><b>{unverified} points read their trace without checking its files (<code>--no-verify</code>).</b></p>"));
+    }
+    html.push_str("<ul>");
+    for (i, t) in plan.traces.iter().enumerate() {
         let m = Manifest::read(t).map_err(|e| SweepError::Plan(e.to_string()))?;
         html.push_str(&format!(
-            "<li><code>{}</code>: {} ({} sha256 {}), {} prompt + {} decode tokens, source <code>{}</code>, captured {} by kvreplay {}</li>",
+            "<li><code>{}</code> (content {}): {} ({} sha256 {}), {} prompt + {} decode tokens, source <code>{}</code>, captured {} by kvreplay {}</li>",
             esc(&trace_name(t)),
+            esc(plan.trace_ids.get(i).map_or("?", |s| &s[..s.len().min(16)])),
             esc(m.model.name.as_deref().unwrap_or("?")),
             esc(&m.model.source.file_name),
             esc(&m.model.source.sha256),
@@ -523,6 +558,5 @@ pub fn write(out: &Path, plan: &Plan) -> Result<(), SweepError> {
         env!("CARGO_PKG_VERSION"),
         esc(&command)
     ));
-    let path = out.join("report.html");
-    std::fs::write(&path, html).map_err(|e| SweepError::Io { path, err: e })
+    crate::sweep::write_atomic(&out.join("report.html"), html.as_bytes())
 }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use kvreplay_kernels::Backend;
 use kvreplay_replay::{Budget, PolicySpec, ReplayError, TraceReplay};
-use kvreplay_traces::Trace;
+use kvreplay_traces::{Manifest, Reads, Trace};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SweepError {
@@ -42,6 +42,11 @@ pub struct Plan {
     pub policies: Vec<String>,
     /// Budgets, ascending.
     pub budgets: Vec<usize>,
+    /// Each trace's content id when planned (sha256 of its manifest, which
+    /// records every layer file's sha256): a point's result belongs to the
+    /// capture it was computed from, not to the folder's name.
+    #[serde(default)]
+    pub trace_ids: Vec<String>,
 }
 
 /// One (trace, policy, budget) point of a plan.
@@ -73,9 +78,12 @@ impl Plan {
         let mut seen = std::collections::HashSet::new();
         specs.retain(|s| seen.insert(s.clone()));
         let mut names = std::collections::HashSet::new();
+        let mut trace_ids = Vec::with_capacity(traces.len());
         for t in traces {
-            let tr = Trace::open(t).map_err(ReplayError::from)?;
-            if tr.manifest.generation.n_decode == 0 {
+            // the manifest only: the layer files are verified when a point reads them
+            let (manifest, id) = Manifest::read_with_id(t).map_err(ReplayError::from)?;
+            trace_ids.push(id);
+            if manifest.generation.n_decode == 0 {
                 return Err(SweepError::Plan(format!(
                     "{}: has no decode tokens; capture it with --decode N",
                     t.display()
@@ -98,7 +106,29 @@ impl Plan {
             traces: traces.to_vec(),
             policies: specs,
             budgets: b,
+            trace_ids,
         })
+    }
+
+    /// Whether `other` sweeps the same traces (compared as canonical paths,
+    /// so `./a` and `/abs/a` are one trace), policies and budgets.
+    pub fn same_sweep(&self, other: &Plan) -> bool {
+        let canon = |p: &PathBuf| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone());
+        self.policies == other.policies
+            && self.budgets == other.budgets
+            && self.traces.len() == other.traces.len()
+            && self
+                .traces
+                .iter()
+                .zip(&other.traces)
+                .all(|(a, b)| a == b || canon(a) == canon(b))
+    }
+
+    /// Traces whose content differs between the two plans of one sweep.
+    fn changed_traces(&self, old: &Plan) -> Vec<usize> {
+        (0..self.traces.len())
+            .filter(|&i| old.trace_ids.get(i) != self.trace_ids.get(i))
+            .collect()
     }
 
     pub fn points(&self) -> Vec<Point> {
@@ -121,8 +151,9 @@ impl Plan {
     pub fn point_id(&self, p: &Point) -> String {
         use sha2::{Digest, Sha256};
         let key = format!(
-            "{}|{}|{}",
+            "{}|{}|{}|{}",
             trace_name(&self.traces[p.trace]),
+            self.trace_ids.get(p.trace).map_or("", |s| s.as_str()),
             self.policies[p.policy],
             p.budget
         );
@@ -181,6 +212,70 @@ pub struct PointResult {
     /// Share of the prompt positions of each tenth of the prompt still
     /// represented at the end, over layers and cache heads.
     pub retention: Vec<f64>,
+    /// The trace was read without checking its files (`--no-verify`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unverified: bool,
+}
+
+/// A point whose replay failed or gave a non-finite metric: recorded with its
+/// reason (a result like any other: reruns keep it) and listed in `failed.csv`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct FailedPoint {
+    pub trace: String,
+    pub policy: String,
+    pub budget: usize,
+    pub policy_spec: String,
+    pub reason: String,
+}
+
+/// What a point file holds.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(untagged)]
+enum PointFile {
+    Done(Box<PointResult>),
+    Failed { failed: FailedPoint },
+}
+
+fn read_point(path: &Path) -> Result<Option<PointFile>, SweepError> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| {
+            SweepError::Plan(format!(
+                "{}: unreadable point result ({e}); delete it and rerun the sweep",
+                path.display()
+            ))
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(SweepError::Io {
+            path: path.to_path_buf(),
+            err: e,
+        }),
+    }
+}
+
+/// The first non-finite number of a point's results, named.
+fn non_finite(r: &PointResult) -> Option<String> {
+    for x in &r.rows {
+        for (name, v) in [
+            ("rel_l2", x.rel_l2),
+            ("cosine", x.cosine),
+            ("attn_mass", x.attn_mass),
+            ("kl", x.kl),
+        ] {
+            if !v.is_finite() {
+                return Some(format!(
+                    "{name} is {v} at layer {}, head {}: the policy produced a non-finite cache \
+                     (an extreme parameter value?)",
+                    x.layer, x.head
+                ));
+            }
+        }
+    }
+    let s = &r.summary;
+    [s.memory_ratio, s.rel_l2_p95]
+        .iter()
+        .chain(&r.retention)
+        .find(|v| !v.is_finite())
+        .map(|v| format!("a summary value is {v}"))
 }
 
 /// Which points this run does: point k belongs to shard k mod count.
@@ -204,25 +299,114 @@ impl std::str::FromStr for Shard {
     }
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SweepError> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).map_err(io(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io(path))
+/// Write `bytes` to a temporary name unique to this process, then rename:
+/// readers and concurrent writers only ever see whole files, and a failed
+/// write (a full disk) leaves the previous file as it was.
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SweepError> {
+    let mut name = std::ffi::OsString::from(".");
+    name.push(path.file_name().unwrap_or_default());
+    name.push(format!(".{}.tmp", std::process::id()));
+    let tmp = path.with_file_name(name);
+    if let Err(e) = std::fs::write(&tmp, bytes) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(path)(e));
+    }
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        io(path)(e)
+    })
 }
 
-/// Create `out` for `plan`, or check that it already holds the same plan.
-fn prepare(out: &Path, plan: &Plan) -> Result<(), SweepError> {
+/// The advisory lock one run holds on a sweep folder (one per shard, so
+/// shards may share a folder): released when dropped or when the process dies.
+pub struct Lock {
+    _file: std::fs::File,
+}
+
+/// Take the lock of `out` (or of its shard), refusing if another process holds it.
+pub fn lock(out: &Path, shard: Option<Shard>) -> Result<Lock, SweepError> {
+    use std::io::Write;
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    let name = match shard {
+        None => ".lock".to_string(),
+        Some(s) => format!(".lock.shard-{}-of-{}", s.index, s.count),
+    };
+    let path = out.join(name);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io(&path))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let holder = std::fs::read_to_string(&path).unwrap_or_default();
+            return Err(SweepError::Plan(format!(
+                "{}: another kvreplay (pid {}) is writing this sweep{}; wait for it to finish or use another --out",
+                out.display(),
+                holder.trim().parse::<u32>().map_or("unknown".into(), |p| p.to_string()),
+                shard.map_or(String::new(), |s| format!(" shard {}/{}", s.index, s.count)),
+            )));
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(io(&path)(e)),
+    }
+    file.set_len(0).map_err(io(&path))?;
+    write!(file, "{}", std::process::id()).map_err(io(&path))?;
+    Ok(Lock { _file: file })
+}
+
+/// Create `out` for `plan`, or check that it already holds the same sweep.
+/// Returns a notice per trace recaptured since the folder was made: its
+/// points are invalidated (deleted) and computed again.
+fn prepare(out: &Path, plan: &Plan) -> Result<Vec<String>, SweepError> {
     std::fs::create_dir_all(out.join("points")).map_err(io(out))?;
     let path = out.join("plan.json");
     let text = serde_json::to_string_pretty(plan).expect("plan serialises") + "\n";
-    match std::fs::read_to_string(&path) {
-        Ok(old) if old == text => Ok(()),
-        Ok(_) => Err(SweepError::Plan(format!(
+    let old = match std::fs::read_to_string(&path) {
+        Ok(old) if old == text => return Ok(Vec::new()),
+        Ok(old) => old,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            write_atomic(&path, text.as_bytes())?;
+            return Ok(Vec::new());
+        }
+        Err(e) => return Err(io(&path)(e)),
+    };
+    let old: Plan = serde_json::from_str(&old).map_err(|e| {
+        SweepError::Plan(format!(
+            "{}: not a sweep plan ({e}); use another --out or remove the folder",
+            path.display()
+        ))
+    })?;
+    if !plan.same_sweep(&old) {
+        return Err(SweepError::Plan(format!(
             "{} holds a different sweep (traces, policies or budgets differ); use another --out or remove it",
             out.display()
-        ))),
-        Err(_) => write_atomic(&path, text.as_bytes()),
+        )));
     }
+    let mut notices = Vec::new();
+    for i in plan.changed_traces(&old) {
+        let mut gone = 0;
+        if !old.trace_ids.is_empty() {
+            for p in old.points().into_iter().filter(|p| p.trace == i) {
+                let f = out
+                    .join("points")
+                    .join(format!("{}.json", old.point_id(&p)));
+                match std::fs::remove_file(&f) {
+                    Ok(()) => gone += 1,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(io(&f)(e)),
+                }
+            }
+        }
+        notices.push(format!(
+            "{}: its content changed since this sweep began (recaptured); {gone} of its finished points invalidated, to be computed again",
+            plan.traces[i].display()
+        ));
+    }
+    write_atomic(&path, text.as_bytes())?;
+    Ok(notices)
 }
 
 /// Run one point on `tr`, the replay of the point's trace (kept across the
@@ -314,6 +498,7 @@ fn run_point(plan: &Plan, p: &Point, tr: &TraceReplay) -> Result<PointResult, Sw
         rows,
         summary,
         retention,
+        unverified: !trace.verified(),
     })
 }
 
@@ -324,6 +509,10 @@ pub struct RunReport {
     pub ran: usize,
     pub reused: usize,
     pub complete: bool,
+    /// Points of the whole plan recorded as failed (listed in `failed.csv`).
+    pub failed: Vec<FailedPoint>,
+    /// Traces recaptured since the folder was made, whose points were redone.
+    pub invalidated: Vec<String>,
 }
 
 /// Run the points of `plan` that belong to `shard` and are not done yet, then
@@ -345,7 +534,20 @@ pub fn run_on(
     backend: &Backend,
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<RunReport, SweepError> {
-    prepare(out, plan)?;
+    run_with(plan, out, shard, backend, Reads::Verified, progress)
+}
+
+/// [`run_on`], reading the traces as `reads` says (`--no-verify`).
+pub fn run_with(
+    plan: &Plan,
+    out: &Path,
+    shard: Option<Shard>,
+    backend: &Backend,
+    reads: Reads,
+    progress: &mut dyn FnMut(usize, usize, &str),
+) -> Result<RunReport, SweepError> {
+    let _lock = lock(out, shard)?;
+    let invalidated = prepare(out, plan)?;
     let mine: Vec<Point> = plan
         .points()
         .into_iter()
@@ -378,74 +580,127 @@ pub fn run_on(
                 continue;
             }
             if trace.get().is_none() {
-                let t = Trace::open(&plan.traces[p.trace]).map_err(ReplayError::from)?;
+                let t =
+                    Trace::open_with(&plan.traces[p.trace], reads).map_err(ReplayError::from)?;
+                if plan
+                    .trace_ids
+                    .get(p.trace)
+                    .is_some_and(|id| id != t.content_id())
+                {
+                    return Err(SweepError::Plan(format!(
+                        "{}: recaptured while this sweep runs; rerun the sweep",
+                        plan.traces[p.trace].display()
+                    )));
+                }
                 let _ = trace.set(t);
             }
             if replay.get().is_none() {
                 let t = trace.get().expect("opened above");
                 let _ = replay.set(TraceReplay::new(t, backend)?);
             }
-            let r = run_point(plan, p, replay.get().expect("made above"))?;
-            write_atomic(&path, &serde_json::to_vec(&r).expect("point serialises"))?;
+            // a point that cannot be computed is recorded as failed, with
+            // its reason, and the sweep goes on
+            let file = match run_point(plan, p, replay.get().expect("made above")) {
+                Ok(r) => match non_finite(&r) {
+                    None => PointFile::Done(Box::new(r)),
+                    Some(why) => failed(plan, p, why),
+                },
+                Err(e) => failed(plan, p, e.to_string()),
+            };
+            write_atomic(&path, &serde_json::to_vec(&file).expect("point serialises"))?;
             ran += 1;
         }
     }
     progress(mine.len(), mine.len(), "");
-    let complete = assemble(out, plan)?;
+    let (complete, failed) = assemble_report(out, plan)?;
     Ok(RunReport {
         points: mine.len(),
         ran,
         reused,
         complete,
+        failed,
+        invalidated,
     })
 }
 
-/// The finished points of a sweep folder, in plan order.
+fn failed(plan: &Plan, p: &Point, reason: String) -> PointFile {
+    let spec = &plan.policies[p.policy];
+    PointFile::Failed {
+        failed: FailedPoint {
+            trace: trace_name(&plan.traces[p.trace]),
+            policy: PolicySpec::parse(spec).map_or_else(|_| spec.clone(), |s| s.short()),
+            budget: p.budget,
+            policy_spec: spec.clone(),
+            reason,
+        },
+    }
+}
+
+/// The finished (not failed) points of a sweep folder, in plan order.
 pub fn load_points(out: &Path, plan: &Plan) -> Result<Vec<PointResult>, SweepError> {
     let mut v = Vec::new();
     for p in plan.points() {
         let path = out
             .join("points")
             .join(format!("{}.json", plan.point_id(&p)));
-        if let Ok(bytes) = std::fs::read(&path) {
-            v.push(serde_json::from_slice(&bytes).map_err(|e| {
-                SweepError::Plan(format!(
-                    "{}: unreadable point result ({e}); delete it and rerun the sweep",
-                    path.display()
-                ))
-            })?);
+        if let Some(PointFile::Done(r)) = read_point(&path)? {
+            v.push(*r);
         }
     }
     Ok(v)
 }
 
-/// Write results.csv and summary.csv from the finished points, in plan order.
-/// Returns whether every point of the plan is done.
+/// The points of a sweep folder recorded as failed, in plan order.
+pub fn load_failed(out: &Path, plan: &Plan) -> Result<Vec<FailedPoint>, SweepError> {
+    let mut v = Vec::new();
+    for p in plan.points() {
+        let path = out
+            .join("points")
+            .join(format!("{}.json", plan.point_id(&p)));
+        if let Some(PointFile::Failed { failed }) = read_point(&path)? {
+            v.push(failed);
+        }
+    }
+    Ok(v)
+}
+
+/// Write results.csv and summary.csv from the finished points, in plan
+/// order, and `failed.csv` when some failed. Returns whether every point of
+/// the plan is done (finished or failed).
 pub fn assemble(out: &Path, plan: &Plan) -> Result<bool, SweepError> {
+    assemble_report(out, plan).map(|(complete, _)| complete)
+}
+
+fn assemble_report(out: &Path, plan: &Plan) -> Result<(bool, Vec<FailedPoint>), SweepError> {
     let mut rows = Vec::new();
     let mut summaries = Vec::new();
+    let mut failed = Vec::new();
     let mut complete = true;
     for p in plan.points() {
         let path = out
             .join("points")
             .join(format!("{}.json", plan.point_id(&p)));
-        match std::fs::read(&path) {
-            Ok(bytes) => {
-                let r: PointResult = serde_json::from_slice(&bytes).map_err(|e| {
-                    SweepError::Plan(format!(
-                        "{}: unreadable point result ({e}); delete it and rerun the sweep",
-                        path.display()
-                    ))
-                })?;
+        match read_point(&path)? {
+            Some(PointFile::Done(r)) => {
                 rows.extend(r.rows);
                 summaries.push(r.summary);
             }
-            Err(_) => complete = false,
+            Some(PointFile::Failed { failed: f }) => failed.push(f),
+            None => complete = false,
         }
     }
     write_csv(&out.join("results.csv"), &rows)?;
     write_csv(&out.join("summary.csv"), &summaries)?;
-    Ok(complete)
+    let path = out.join("failed.csv");
+    if failed.is_empty() {
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&path)(e)),
+            _ => {}
+        }
+    } else {
+        write_csv(&path, &failed)?;
+    }
+    Ok((complete, failed))
 }
 
 fn write_csv<T: Serialize>(path: &Path, rows: &[T]) -> Result<(), SweepError> {
@@ -460,27 +715,43 @@ fn write_csv<T: Serialize>(path: &Path, rows: &[T]) -> Result<(), SweepError> {
     write_atomic(path, &bytes)
 }
 
+/// The plan of a sweep folder.
+pub fn read_plan(dir: &Path) -> Result<Plan, SweepError> {
+    let path = dir.join("plan.json");
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    serde_json::from_str(&text).map_err(|e| {
+        SweepError::Plan(format!(
+            "{}: not a sweep plan ({e}); is this a folder `kvreplay sweep` wrote?",
+            path.display()
+        ))
+    })
+}
+
 /// Join shard folders of one plan into `out`, exactly what one run writes.
 pub fn merge(shards: &[PathBuf], out: &Path) -> Result<bool, SweepError> {
     let first = shards
         .first()
         .ok_or_else(|| SweepError::Plan("merge needs at least one shard folder".into()))?;
-    let read_plan = |d: &Path| -> Result<Plan, SweepError> {
-        let path = d.join("plan.json");
-        let text = std::fs::read_to_string(&path).map_err(io(&path))?;
-        serde_json::from_str(&text)
-            .map_err(|e| SweepError::Plan(format!("{}: {e}", path.display())))
-    };
     let plan = read_plan(first)?;
     for s in &shards[1..] {
-        if read_plan(s)? != plan {
+        let other = read_plan(s)?;
+        if !other.same_sweep(&plan) {
             return Err(SweepError::Plan(format!(
                 "{} and {} are shards of different sweeps",
                 first.display(),
                 s.display()
             )));
         }
+        if let Some(&i) = other.changed_traces(&plan).first() {
+            return Err(SweepError::Plan(format!(
+                "{} and {} ran on different captures of {}; rerun the stale shard",
+                first.display(),
+                s.display(),
+                plan.traces[i].display()
+            )));
+        }
     }
+    let _lock = lock(out, None)?;
     prepare(out, &plan)?;
     for s in shards {
         let dir = s.join("points");
@@ -490,7 +761,8 @@ pub fn merge(shards: &[PathBuf], out: &Path) -> Result<bool, SweepError> {
             if name.to_string_lossy().ends_with(".json") {
                 let dst = out.join("points").join(&name);
                 if !dst.exists() {
-                    std::fs::copy(e.path(), &dst).map_err(io(&dst))?;
+                    let bytes = std::fs::read(e.path()).map_err(io(&e.path()))?;
+                    write_atomic(&dst, &bytes)?;
                 }
             }
         }

@@ -332,3 +332,159 @@ fn claims_on_a_too_short_prompt_say_so() {
     let claims = kvreplay_analysis::claims::measure(&t).unwrap();
     assert!(claims.len() > 40, "{} claims", claims.len());
 }
+
+#[test]
+fn a_recaptured_trace_invalidates_its_points_and_only_those() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = write_trace(tmp.path(), "a.kvtrace", 1, 40, 46);
+    let b = write_trace(tmp.path(), "b.kvtrace", 2, 30, 34);
+    let specs = ["h2o".to_string(), "snapkv:w=4".to_string()];
+    let out = tmp.path().join("out");
+    let plan = Plan::new(&[a.clone(), b.clone()], &specs, &[4, 8]).unwrap();
+    run(&plan, &out, None, &mut |_, _, _| {}).unwrap();
+    let old = files(&out);
+    // `capture --force` into the same path: other content, same folder name
+    std::fs::remove_dir_all(&a).unwrap();
+    write_trace(tmp.path(), "a.kvtrace", 7, 40, 46);
+    let plan = Plan::new(&[a.clone(), b.clone()], &specs, &[4, 8]).unwrap();
+    let r = run(&plan, &out, None, &mut |_, _, _| {}).unwrap();
+    assert_eq!((r.ran, r.reused), (4, 4), "a's 4 points redone, b's kept");
+    assert_eq!(r.invalidated.len(), 1, "{:?}", r.invalidated);
+    assert!(
+        r.invalidated[0].contains("a.kvtrace")
+            && r.invalidated[0].contains("4 of its finished points invalidated"),
+        "{}",
+        r.invalidated[0]
+    );
+    assert_ne!(files(&out), old, "the stale numbers are gone");
+    // the same as a sweep that never saw the old capture
+    let fresh = tmp.path().join("fresh");
+    run(&plan, &fresh, None, &mut |_, _, _| {}).unwrap();
+    assert_eq!(files(&out), files(&fresh));
+    assert_eq!(
+        std::fs::read_dir(out.join("points")).unwrap().count(),
+        8,
+        "no stale point file is left behind"
+    );
+}
+
+#[test]
+fn a_trace_named_by_another_path_resumes_the_same_sweep() {
+    // `--traces ./x` once, `--traces /abs/x` next: the same trace
+    let tmp = tempfile::tempdir().unwrap();
+    let a = write_trace(tmp.path(), "a.kvtrace", 1, 20, 24);
+    let out = tmp.path().join("out");
+    let plan = Plan::new(std::slice::from_ref(&a), &["h2o".into()], &[4]).unwrap();
+    run(&plan, &out, None, &mut |_, _, _| {}).unwrap();
+    std::fs::create_dir(tmp.path().join("sub")).unwrap();
+    let other = tmp.path().join("sub").join("..").join("a.kvtrace");
+    let plan = Plan::new(&[other], &["h2o".into()], &[4]).unwrap();
+    let r = run(&plan, &out, None, &mut |_, _, _| {}).unwrap();
+    assert_eq!((r.ran, r.reused), (0, 1));
+}
+
+#[test]
+fn a_non_finite_point_is_recorded_as_failed_and_the_sweep_completes() {
+    // once: its result was saved with `null`, assembly refused it, and the
+    // rerun wrote the same file, so no CSV was ever written
+    let tmp = tempfile::tempdir().unwrap();
+    let a = write_trace(tmp.path(), "a.kvtrace", 1, 40, 46);
+    let bad = "kvmerger:sigma=fixed,sigma0=1e-300".to_string();
+    let plan = Plan::new(&[a], &["h2o".into(), bad], &[4, 8]).unwrap();
+    let out = tmp.path().join("out");
+    let r = run(&plan, &out, None, &mut |_, _, _| {}).unwrap();
+    assert!(r.complete);
+    assert_eq!(r.failed.len(), 2);
+    assert!(r.failed[0].reason.contains("NaN"), "{}", r.failed[0].reason);
+    let summary = std::fs::read_to_string(out.join("summary.csv")).unwrap();
+    assert_eq!(summary.lines().count(), 1 + 2, "the h2o points");
+    let failed = std::fs::read_to_string(out.join("failed.csv")).unwrap();
+    assert!(failed.starts_with("trace,policy,budget,policy_spec,reason\n"));
+    assert_eq!(failed.lines().count(), 1 + 2);
+    assert!(failed.contains("a.kvtrace,kvmerger,4,"), "{failed}");
+    // a rerun keeps the failure (a result like any other) and redoes nothing
+    let r = run(&plan, &out, None, &mut |_, _, _| {}).unwrap();
+    assert_eq!((r.ran, r.reused, r.failed.len()), (0, 4, 2));
+    kvreplay_analysis::report::write(&out, &plan).unwrap();
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(html.contains("Failed points (2"), "report lists them");
+}
+
+#[test]
+fn a_second_writer_is_refused_while_a_sweep_holds_the_folder() {
+    // two sweeps into one --out once died with "points/ID.json: No such file"
+    // or computed points twice
+    let tmp = tempfile::tempdir().unwrap();
+    let a = write_trace(tmp.path(), "a.kvtrace", 1, 20, 24);
+    let plan = Plan::new(&[a], &["h2o".into()], &[4, 8]).unwrap();
+    let out = tmp.path().join("out");
+    let held = kvreplay_analysis::sweep::lock(&out, None).unwrap();
+    let e = run(&plan, &out, None, &mut |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!("another kvreplay (pid {})", std::process::id())),
+        "{e}"
+    );
+    assert!(!out.join("points").exists(), "nothing was written");
+    // shards hold their own locks: shard 1 may run while shard 0 is held
+    let s0 = kvreplay_analysis::sweep::lock(&out, Some(Shard { index: 0, count: 2 })).unwrap();
+    drop(held);
+    let r = run(
+        &plan,
+        &out,
+        Some(Shard { index: 1, count: 2 }),
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    assert_eq!(r.ran, 1);
+    let e = run(
+        &plan,
+        &out,
+        Some(Shard { index: 0, count: 2 }),
+        &mut |_, _, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("shard 0/2"), "{e}");
+    drop(s0);
+    assert!(run(&plan, &out, None, &mut |_, _, _| {}).unwrap().complete);
+}
+
+#[test]
+fn an_unverified_sweep_says_so_and_a_verified_one_refuses_a_damaged_trace() {
+    use kvreplay_kernels::Backend;
+    let tmp = tempfile::tempdir().unwrap();
+    let a = write_trace(tmp.path(), "a.kvtrace", 1, 20, 24);
+    let f = a.join("layer-001.safetensors");
+    let mut bytes = std::fs::read(&f).unwrap();
+    let n = bytes.len();
+    bytes[n - 5] ^= 0x01;
+    std::fs::write(&f, bytes).unwrap();
+    let plan = Plan::new(std::slice::from_ref(&a), &["h2o".into()], &[4]).unwrap();
+    let e = run(&plan, &tmp.path().join("v"), None, &mut |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("layer-001.safetensors") && e.contains("sha256"),
+        "{e}"
+    );
+    let out = tmp.path().join("u");
+    kvreplay_analysis::sweep::run_with(
+        &plan,
+        &out,
+        None,
+        &Backend::Cpu,
+        Reads::Unverified,
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    let points = kvreplay_analysis::sweep::load_points(&out, &plan).unwrap();
+    assert!(points[0].unverified);
+    kvreplay_analysis::report::write(&out, &plan).unwrap();
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(
+        html.contains("without checking its files"),
+        "report says so"
+    );
+}

@@ -23,6 +23,15 @@ pub enum Budget {
     Ratio(f64),
 }
 
+impl std::fmt::Display for Budget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Budget::Entries(n) => write!(f, "--budget {n}"),
+            Budget::Ratio(r) => write!(f, "--ratio {r}"),
+        }
+    }
+}
+
 impl Budget {
     /// Check the value itself (before any trace is opened).
     pub fn validate(self) -> Result<(), ReplayError> {
@@ -46,7 +55,7 @@ impl Budget {
         };
         if b == 0 {
             return Err(ReplayError::BadBudget(format!(
-                "{self:?} of a {prompt_len}-token prompt keeps no entry; raise it"
+                "{self} of a {prompt_len}-token prompt keeps no entry; raise it"
             )));
         }
         Ok(b)

@@ -33,6 +33,11 @@ pub enum ReplayError {
     },
     #[error("policy `{policy}` broke the replay contract: {msg} (a bug in the policy; please report it)")]
     Contract { policy: String, msg: String },
+    #[error("{path}: {msg}")]
+    Output {
+        path: std::path::PathBuf,
+        msg: String,
+    },
     #[error("{path}: writing CSV: {err}")]
     Csv {
         path: std::path::PathBuf,

@@ -48,6 +48,11 @@ pub struct TraceProvenance {
     pub n_decode: usize,
     /// sha256 of every layer file, as the manifest records them.
     pub files_sha256: Vec<String>,
+    /// sha256 of the trace's manifest.json: names the capture.
+    pub content_id: String,
+    /// Whether every layer file was checked against `files_sha256` (and for
+    /// finite values) when read; false under `--no-verify`.
+    pub verified: bool,
 }
 
 pub fn summary(trace: &Trace, spec: &PolicySpec, budget: Budget, r: &ReplayResult) -> Summary {
@@ -71,18 +76,74 @@ pub fn summary(trace: &Trace, spec: &PolicySpec, budget: Budget, r: &ReplayResul
             prompt_len: m.prompt_len(),
             n_decode: m.generation.n_decode,
             files_sha256: m.files.iter().map(|f| f.sha256.clone()).collect(),
+            content_id: trace.content_id().to_string(),
+            verified: trace.verified(),
         },
         kvreplay_version: env!("CARGO_PKG_VERSION").into(),
     }
 }
 
-/// Write metrics.csv, retention.csv and summary.json into `out` (created),
-/// each through a temporary name so no file looks complete before it is.
-pub fn write(out: &Path, summary: &Summary, r: &ReplayResult) -> Result<(), ReplayError> {
-    std::fs::create_dir_all(out).map_err(|e| ReplayError::Io {
-        path: out.into(),
-        err: e,
-    })?;
+/// `OUT.partial`: where [`write`] puts the files before renaming the folder.
+pub fn partial_of(out: &Path) -> std::path::PathBuf {
+    let mut name = out.file_name().unwrap_or_default().to_os_string();
+    name.push(".partial");
+    out.with_file_name(name)
+}
+
+/// Refuse an existing `out` unless `force` (call before the work, so none is wasted).
+pub fn check_out(out: &Path, force: bool) -> Result<(), ReplayError> {
+    if !force && std::fs::symlink_metadata(out).is_ok() {
+        return Err(ReplayError::Output {
+            path: out.into(),
+            msg: "already exists; pass --force to replace it, or choose another --out".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Write metrics.csv, retention.csv and summary.json into `OUT.partial/`,
+/// then rename it to `out`: a failed or interrupted write leaves no `out`
+/// that looks complete, and an existing `out` is replaced only with `force`
+/// and only once the new one is whole.
+pub fn write(
+    out: &Path,
+    summary: &Summary,
+    r: &ReplayResult,
+    force: bool,
+) -> Result<(), ReplayError> {
+    check_out(out, force)?;
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |err| ReplayError::Io { path, err }
+    };
+    let partial = partial_of(out);
+    if partial.exists() {
+        // left by an interrupted run of this command: ours to replace
+        std::fs::remove_dir_all(&partial).map_err(io(&partial))?;
+    }
+    std::fs::create_dir_all(&partial).map_err(io(&partial))?;
+    if let Err(e) = write_files(&partial, summary, r) {
+        let _ = std::fs::remove_dir_all(&partial);
+        return Err(e);
+    }
+    if std::fs::symlink_metadata(out).is_ok() {
+        let mut old = out.file_name().unwrap_or_default().to_os_string();
+        old.push(".replaced");
+        let old = out.with_file_name(old);
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::rename(out, &old).map_err(io(out))?;
+        std::fs::rename(&partial, out).map_err(io(out))?;
+        if old.is_dir() {
+            std::fs::remove_dir_all(&old).map_err(io(&old))
+        } else {
+            std::fs::remove_file(&old).map_err(io(&old))
+        }
+    } else {
+        std::fs::rename(&partial, out).map_err(io(out))
+    }
+}
+
+fn write_files(out: &Path, summary: &Summary, r: &ReplayResult) -> Result<(), ReplayError> {
     let csv_err = |p: &Path| {
         let p = p.to_path_buf();
         move |e: csv::Error| ReplayError::Csv {

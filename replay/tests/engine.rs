@@ -53,7 +53,7 @@ fn outputs_hold_one_row_per_head_and_per_retained_position() {
     assert_eq!(r.budget, 10);
     let s = kvreplay_replay::output::summary(&trace, &spec, Budget::Ratio(0.5), &r);
     let out = tmp.path().join("out");
-    kvreplay_replay::output::write(&out, &s, &r).unwrap();
+    kvreplay_replay::output::write(&out, &s, &r, false).unwrap();
     let metrics = std::fs::read_to_string(out.join("metrics.csv")).unwrap();
     let lines: Vec<&str> = metrics.lines().collect();
     assert_eq!(
@@ -78,6 +78,8 @@ fn outputs_hold_one_row_per_head_and_per_retained_position() {
         2
     );
     assert!(!out.join(".metrics.csv.tmp").exists());
+    assert_eq!(summary["trace"]["verified"], true);
+    assert_eq!(summary["trace"]["content_id"], trace.content_id());
 }
 
 #[test]
@@ -98,6 +100,9 @@ fn bad_budgets_and_traces_are_explained() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("keeps no entry"), "{e}");
+    // the budget as the user wrote it, not the enum's debug form
+    assert!(e.contains("--ratio 0.01 of a 20-token prompt"), "{e}");
+    assert!(!e.contains("Ratio("), "{e}");
     // A trace without decode tokens has nothing to replay.
     let t2 = tmp.path().join("nodecode");
     std::fs::create_dir(&t2).unwrap();
@@ -153,4 +158,42 @@ fn reused_budget_independent_results_change_nothing() {
             }
         }
     }
+}
+
+#[test]
+fn replay_output_is_replaced_only_with_force_and_only_when_whole() {
+    use kvreplay_replay::output::{partial_of, write};
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = Trace::open(write_trace(tmp.path(), &layers(1, 20, 24))).unwrap();
+    let spec = PolicySpec::parse("h2o").unwrap();
+    let run = |b| {
+        let r = replay(&trace, spec.build().unwrap().as_ref(), Budget::Entries(b)).unwrap();
+        let s = kvreplay_replay::output::summary(&trace, &spec, Budget::Entries(b), &r);
+        (s, r)
+    };
+    let out = tmp.path().join("out");
+    let (s8, r8) = run(8);
+    write(&out, &s8, &r8, false).unwrap();
+    let read = |f: &str| std::fs::read(out.join(f)).unwrap();
+    let before = (read("metrics.csv"), read("summary.json"));
+    // an existing output is refused without force
+    let (s4, r4) = run(4);
+    let e = write(&out, &s4, &r4, false).unwrap_err().to_string();
+    assert!(e.contains("already exists") && e.contains("--force"), "{e}");
+    // a write that fails (here: OUT.partial cannot be made) leaves the old output whole
+    std::fs::write(partial_of(&out), b"in the way").unwrap();
+    assert!(write(&out, &s4, &r4, true).is_err());
+    assert_eq!((read("metrics.csv"), read("summary.json")), before);
+    // with force and a clear path, the new output replaces the old one as a whole
+    std::fs::remove_file(partial_of(&out)).unwrap();
+    write(&out, &s4, &r4, true).unwrap();
+    assert_ne!(read("metrics.csv"), before.0);
+    let summary: serde_json::Value = serde_json::from_slice(&read("summary.json")).unwrap();
+    assert_eq!(summary["budget"], 4);
+    assert!(!partial_of(&out).exists());
+    let names: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(!names.iter().any(|n| n.contains("replaced")), "{names:?}");
 }

@@ -108,6 +108,11 @@ pub fn run() -> Result<()> {
         Cmd::Merge { shards, out } => {
             let complete = kvreplay_analysis::sweep::merge(&shards, &out)
                 .with_context(|| format!("merging into {}", out.display()))?;
+            if complete {
+                // what one run writes: the CSVs and the report with its plots
+                let plan = kvreplay_analysis::sweep::read_plan(&out)?;
+                kvreplay_analysis::report::write(&out, &plan).context("writing the report")?;
+            }
             println!(
                 "merged {} shard folders into {}{}",
                 shards.len(),

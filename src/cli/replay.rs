@@ -4,7 +4,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 
-use kvreplay_traces::Trace;
+use kvreplay_traces::{Reads, Trace};
 
 use super::common::open_device;
 
@@ -28,6 +28,12 @@ pub(super) struct ReplayArgs {
     /// Where to compute: cpu, cuda or auto (CUDA when a usable GPU is present).
     #[arg(long, default_value = "cpu")]
     device: kvreplay_kernels::DeviceRequest,
+    /// Replace an existing --out.
+    #[arg(long)]
+    force: bool,
+    /// Skip checking the layer files' sha256 and finiteness (recorded in summary.json).
+    #[arg(long)]
+    no_verify: bool,
 }
 
 fn parse_budget(s: &str) -> Result<usize, String> {
@@ -48,8 +54,14 @@ pub(super) fn cmd_replay(a: ReplayArgs) -> Result<()> {
         (None, None) => unreachable!("clap requires one budget"),
     };
     budget.validate()?;
-    let trace =
-        Trace::open(&a.trace).with_context(|| format!("opening trace {}", a.trace.display()))?;
+    kvreplay_replay::output::check_out(&a.out, a.force)?;
+    let reads = if a.no_verify {
+        Reads::Unverified
+    } else {
+        Reads::Verified
+    };
+    let trace = Trace::open_with(&a.trace, reads)
+        .with_context(|| format!("opening trace {}", a.trace.display()))?;
     budget.resolve(trace.manifest.prompt_len())?;
     let start = std::time::Instant::now();
     let backend = open_device(a.device)?;
@@ -57,7 +69,7 @@ pub(super) fn cmd_replay(a: ReplayArgs) -> Result<()> {
         .with_context(|| format!("replaying {} on {}", spec.canonical(), a.trace.display()))?;
     let secs = start.elapsed().as_secs_f64();
     let s = kvreplay_replay::output::summary(&trace, &spec, budget, &r);
-    kvreplay_replay::output::write(&a.out, &s, &r)
+    kvreplay_replay::output::write(&a.out, &s, &r, a.force)
         .with_context(|| format!("writing results to {}", a.out.display()))?;
     println!(
         "{} at budget {} on {} ({} prompt + {} decode tokens), {:.2} s",

@@ -31,6 +31,9 @@ pub(super) struct SweepArgs {
     /// Where to compute: cpu, cuda or auto (CUDA when a usable GPU is present).
     #[arg(long, default_value = "cpu")]
     device: kvreplay_kernels::DeviceRequest,
+    /// Skip checking the traces' files (sha256, finite values); recorded in the points.
+    #[arg(long)]
+    no_verify: bool,
 }
 
 #[derive(serde::Deserialize)]
@@ -61,11 +64,17 @@ pub(super) fn cmd_sweep(a: SweepArgs) -> Result<()> {
             .progress_chars("=> "),
     );
     let backend = open_device(a.device)?;
-    let r = kvreplay_analysis::sweep::run_on(
+    let reads = if a.no_verify {
+        kvreplay_traces::Reads::Unverified
+    } else {
+        kvreplay_traces::Reads::Verified
+    };
+    let r = kvreplay_analysis::sweep::run_with(
         &plan,
         &a.out,
         a.shard,
         &backend,
+        reads,
         &mut |done, total, label| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
@@ -74,8 +83,22 @@ pub(super) fn cmd_sweep(a: SweepArgs) -> Result<()> {
     )
     .with_context(|| format!("sweeping into {}", a.out.display()))?;
     bar.finish_and_clear();
-    if r.complete {
+    for n in &r.invalidated {
+        eprintln!("note: {n}");
+    }
+    if r.complete && r.failed.len() < plan.points().len() {
         kvreplay_analysis::report::write(&a.out, &plan).context("writing the report")?;
+    }
+    if let Some(f) = r.failed.first() {
+        eprintln!(
+            "warning: {} point(s) failed and are listed in {}/failed.csv; the first: {} {} B={}: {}",
+            r.failed.len(),
+            a.out.display(),
+            f.trace,
+            f.policy_spec,
+            f.budget,
+            f.reason
+        );
     }
     println!(
         "{} points ({} run now, {} already done){}; wrote {}/results.csv and summary.csv",

@@ -216,14 +216,12 @@ impl Manifest {
                 })
             }
             Err(e) => return Err(TraceError::io(dir, e)),
-            Ok(m) if !m.is_dir() => {
-                return Err(TraceError::Io {
-                    path: dir.to_path_buf(),
-                    err: std::io::Error::other(
-                        "is a file, not a trace: a trace is the directory `kvreplay capture` writes",
-                    ),
-                })
-            }
+            Ok(m) if !m.is_dir() => return Err(TraceError::Io {
+                path: dir.to_path_buf(),
+                err: std::io::Error::other(
+                    "is a file, not a trace: a trace is the directory `kvreplay capture` writes",
+                ),
+            }),
             Ok(_) => {}
         }
         if !path.exists() {
@@ -304,7 +302,9 @@ impl Manifest {
             if v.is_finite() && v > 0.0 && v <= max {
                 Ok(())
             } else {
-                Err(format!("model: {name} is {v}, expected a finite value in (0, {max:e}]"))
+                Err(format!(
+                    "model: {name} is {v}, expected a finite value in (0, {max:e}]"
+                ))
             }
         };
         // 1/sqrt(head_dim) in every supported model; a few use 1; 10 is absurd

@@ -378,7 +378,9 @@ fn open_refuses_a_flipped_byte_and_unverified_reads_skip_the_check() {
     assert!(e.to_string().contains("layer-000.safetensors"), "{e}");
     let t = Trace::open_unverified(&out).unwrap();
     assert!(!t.verified());
-    assert!(Trace::open(write_trace(&tmp.path().join("b"), Dtype::F16)).unwrap().verified());
+    assert!(Trace::open(write_trace(&tmp.path().join("b"), Dtype::F16))
+        .unwrap()
+        .verified());
 }
 
 #[test]
@@ -389,7 +391,10 @@ fn open_refuses_swapped_k_and_v_offsets() {
     let mut b = std::fs::read(&f).unwrap();
     let hlen = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
     let mut h: serde_json::Value = serde_json::from_slice(&b[8..8 + hlen]).unwrap();
-    let (k, v) = (h["k"]["data_offsets"].clone(), h["v"]["data_offsets"].clone());
+    let (k, v) = (
+        h["k"]["data_offsets"].clone(),
+        h["v"]["data_offsets"].clone(),
+    );
     h["k"]["data_offsets"] = v;
     h["v"]["data_offsets"] = k;
     let mut text = serde_json::to_string(&h).unwrap();
@@ -399,7 +404,9 @@ fn open_refuses_swapped_k_and_v_offsets() {
     std::fs::write(&f, b).unwrap();
     // the file is a valid safetensors file whose k and v are swapped
     assert!(Trace::open_unverified(&out).is_ok());
-    let e = Trace::open(&out).err().expect("swapped offsets are refused");
+    let e = Trace::open(&out)
+        .err()
+        .expect("swapped offsets are refused");
     assert!(
         matches!(e, TraceError::Checksum { .. }) && e.to_string().contains("layer-001"),
         "{e}"
@@ -413,7 +420,9 @@ fn open_refuses_a_layer_file_linked_to_another_layer() {
     let f = out.join("layer-001.safetensors");
     std::fs::remove_file(&f).unwrap();
     std::os::unix::fs::symlink(out.join("layer-000.safetensors"), &f).unwrap();
-    let e = Trace::open(&out).err().expect("a linked layer file is refused");
+    let e = Trace::open(&out)
+        .err()
+        .expect("a linked layer file is refused");
     assert!(
         matches!(e, TraceError::Checksum { .. }) && e.to_string().contains("layer-001"),
         "{e}"
@@ -434,7 +443,9 @@ fn a_non_finite_value_is_named_by_file_tensor_layer_head_and_position() {
             b[at..at + nan.len()].copy_from_slice(&nan);
         });
         assert!(verify(&out, &VerifyOptions::default()).is_err());
-        let e = Trace::open(&out).err().expect("a non-finite value is refused");
+        let e = Trace::open(&out)
+            .err()
+            .expect("a non-finite value is refused");
         let TraceError::NonFinite {
             ref path,
             ref tensor,
@@ -468,10 +479,7 @@ fn a_fifo_as_a_layer_file_is_refused_without_blocking() {
         println!("not run: `mkfifo` is not available here");
         return;
     }
-    for e in [
-        Trace::open(&out).err(),
-        Trace::open_unverified(&out).err(),
-    ] {
+    for e in [Trace::open(&out).err(), Trace::open_unverified(&out).err()] {
         let e = e.expect("a FIFO is refused");
         assert!(matches!(e, TraceError::NotAFile { .. }), "{e}");
         assert!(e.to_string().contains("layer-001.safetensors"), "{e}");
@@ -493,8 +501,16 @@ fn a_file_given_as_a_trace_is_called_a_file() {
 #[test]
 fn manifest_version_zero_and_absurd_model_numbers_are_refused() {
     for (field, from, to) in [
-        ("format_version", "\"format_version\": 1", "\"format_version\": 0"),
-        ("attn_scale", "\"attn_scale\": 0.35355339059327373", "\"attn_scale\": 1e300"),
+        (
+            "format_version",
+            "\"format_version\": 1",
+            "\"format_version\": 0",
+        ),
+        (
+            "attn_scale",
+            "\"attn_scale\": 0.35355339059327373",
+            "\"attn_scale\": 1e300",
+        ),
         ("norm_eps", "\"norm_eps\": 0.00001,", "\"norm_eps\": -1.0,"),
         ("rope.theta", "\"theta\": 10000.0", "\"theta\": 0.0"),
     ] {
@@ -505,7 +521,10 @@ fn manifest_version_zero_and_absurd_model_numbers_are_refused() {
         assert!(text.contains(from), "{from} in {text}");
         std::fs::write(&p, text.replace(from, to)).unwrap();
         let e = Trace::open(&out).err().expect("refused").to_string();
-        assert!(e.contains("manifest.json") && e.contains(field), "{field}: {e}");
+        assert!(
+            e.contains("manifest.json") && e.contains(field),
+            "{field}: {e}"
+        );
     }
 }
 
