@@ -488,3 +488,88 @@ fn an_unverified_sweep_says_so_and_a_verified_one_refuses_a_damaged_trace() {
         "report says so"
     );
 }
+
+/// A small tmpfs mounted for one test (root only), unmounted when dropped.
+struct SmallDisk {
+    dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    fn mount(size: &str) -> Option<SmallDisk> {
+        let dir = tempfile::tempdir().unwrap();
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            println!("not run: cannot mount a tmpfs here (needs root) to fill a disk");
+            return None;
+        }
+        Some(SmallDisk { dir })
+    }
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+    /// Take every free byte.
+    fn fill(&self) {
+        use std::io::Write;
+        let mut f = std::fs::File::create(self.path().join("filler")).unwrap();
+        let block = vec![7u8; 4096];
+        while f.write_all(&block).is_ok() {}
+        let _ = f.flush();
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+#[test]
+fn a_full_disk_fails_a_sweep_clearly_and_keeps_the_previous_results() {
+    let Some(disk) = SmallDisk::mount("2m") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let a = write_trace(tmp.path(), "a.kvtrace", 1, 40, 46);
+    let plan = Plan::new(
+        std::slice::from_ref(&a),
+        &["h2o".into(), "tova".into()],
+        &[4, 8],
+    )
+    .unwrap();
+    let out = disk.path().join("out");
+    run(&plan, &out, None, &mut |_, _, _| {}).unwrap();
+    kvreplay_analysis::report::write(&out, &plan).unwrap();
+    let before = files(&out);
+    let report = std::fs::read(out.join("report.html")).unwrap();
+    disk.fill();
+    // rewriting the CSVs and the report on a full disk: a clear error, the
+    // previous files whole, no temporary file left
+    let e = run(&plan, &out, None, &mut |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("No space left on device") && e.contains("out/"),
+        "{e}"
+    );
+    assert_eq!(files(&out), before);
+    let e = kvreplay_analysis::report::write(&out, &plan)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("No space left on device"), "{e}");
+    assert_eq!(std::fs::read(out.join("report.html")).unwrap(), report);
+    let names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(!names.iter().any(|n| n.ends_with(".tmp")), "{names:?}");
+    // a new sweep on the full disk: an error, and no CSV that looks complete
+    let out2 = disk.path().join("out2");
+    assert!(run(&plan, &out2, None, &mut |_, _, _| {}).is_err());
+    assert!(!out2.join("results.csv").exists() && !out2.join("summary.csv").exists());
+}
