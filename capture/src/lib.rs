@@ -10,6 +10,7 @@ mod capture;
 mod error;
 pub mod gguf;
 pub mod llama;
+pub mod resume;
 pub mod tasks;
 #[doc(hidden)]
 pub mod testing;

@@ -7,7 +7,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use std::path::{Path, PathBuf};
 
 use kvreplay_capture::{capture, CaptureOptions, Model, Phase, Progress};
-use kvreplay_traces::{Dtype, Span};
+use kvreplay_traces::{Dtype, Span, Trace};
 
 use super::common::{open_device, resolve_model};
 
@@ -186,12 +186,36 @@ fn capture_suite(a: &CaptureArgs, suite: &str, model_path: &Path) -> Result<()> 
     for (name, task) in &items {
         let out = a.out.join(name);
         bar.set_message(name.clone());
-        // a finished trace is kept (rerunning resumes the suite); --force recaptures
+        let (ids, spans, source) = kvreplay_capture::tasks::prepare(task, &model, true)?;
+        // a finished trace of this very request is kept (rerunning resumes
+        // the suite); one made otherwise is refused; --force recaptures
         if out.join("manifest.json").exists() && !a.force {
+            let t = Trace::open(&out).with_context(|| {
+                format!(
+                    "resuming suite `{suite}`: {} is damaged; pass --force to recapture it",
+                    out.display()
+                )
+            })?;
+            let differs = kvreplay_capture::resume::differences(
+                &t.manifest,
+                &kvreplay_capture::resume::Request {
+                    model: &model.source,
+                    prompt_ids: &ids,
+                    spans: &spans,
+                    n_decode: a.decode,
+                    dtype: a.dtype,
+                },
+            );
+            if !differs.is_empty() {
+                bail!(
+                    "resuming suite `{suite}`: {} was captured with {}; pass --force to recapture the suite, or use another --out",
+                    out.display(),
+                    differs.join(", ")
+                );
+            }
             bar.inc(1);
             continue;
         }
-        let (ids, spans, source) = kvreplay_capture::tasks::prepare(task, &model, true)?;
         let mut opts = CaptureOptions::new(source.clone(), &out);
         opts.prompt_ids = Some(ids);
         opts.spans = spans;

@@ -1,0 +1,43 @@
+//! Resuming a batch of captures (`capture --suite`): a finished trace is kept
+//! only when it is the trace this request would write.
+
+use kvreplay_traces::{Dtype, Manifest, SourceFile, Span};
+
+/// What a capture is asked to produce.
+pub struct Request<'a> {
+    pub model: &'a SourceFile,
+    pub prompt_ids: &'a [u32],
+    pub spans: &'a [Span],
+    pub n_decode: usize,
+    pub dtype: Dtype,
+}
+
+/// How the trace described by `m` differs from what `req` would capture
+/// (model file, prompt and its spans, decode length, dtype); empty when it
+/// is that trace.
+pub fn differences(m: &Manifest, req: &Request) -> Vec<String> {
+    let mut v = Vec::new();
+    if m.model.source.sha256 != req.model.sha256 {
+        v.push(format!(
+            "model {} (not {})",
+            m.model.source.file_name, req.model.file_name
+        ));
+    }
+    if m.tokens.ids[..m.prompt_len()] != *req.prompt_ids || m.spans != req.spans {
+        v.push("another prompt".into());
+    }
+    if m.generation.n_decode != req.n_decode {
+        v.push(format!(
+            "--decode {} (not {})",
+            m.generation.n_decode, req.n_decode
+        ));
+    }
+    if m.capture.dtype != req.dtype {
+        v.push(format!(
+            "--dtype {} (not {})",
+            m.capture.dtype.name(),
+            req.dtype.name()
+        ));
+    }
+    v
+}
