@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use kvreplay_kernels::Backend;
 use kvreplay_replay::{Budget, PolicySpec, ReplayError, TraceReplay};
-use kvreplay_traces::{Manifest, Reads, Trace};
+use kvreplay_traces::{Reads, Trace};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SweepError {
@@ -80,10 +80,10 @@ impl Plan {
         let mut names = std::collections::HashSet::new();
         let mut trace_ids = Vec::with_capacity(traces.len());
         for t in traces {
-            // the manifest only: the layer files are verified when a point reads them
-            let (manifest, id) = Manifest::read_with_id(t).map_err(ReplayError::from)?;
-            trace_ids.push(id);
-            if manifest.generation.n_decode == 0 {
+            // files, headers and shapes now; checksums when a point reads them
+            let tr = Trace::open_unverified(t).map_err(ReplayError::from)?;
+            trace_ids.push(tr.content_id().to_string());
+            if tr.manifest.generation.n_decode == 0 {
                 return Err(SweepError::Plan(format!(
                     "{}: has no decode tokens; capture it with --decode N",
                     t.display()
