@@ -564,9 +564,7 @@ pub fn run_with(
         let trace = std::cell::OnceCell::new();
         let replay = std::cell::OnceCell::new();
         for p in run {
-            let path = out
-                .join("points")
-                .join(format!("{}.json", plan.point_id(p)));
+            let path = point_path(out, plan, p);
             let label = format!(
                 "{} {} B={}",
                 trace_name(&plan.traces[p.trace]),
@@ -636,32 +634,39 @@ fn failed(plan: &Plan, p: &Point, reason: String) -> PointFile {
     }
 }
 
+fn point_path(out: &Path, plan: &Plan, p: &Point) -> PathBuf {
+    out.join("points")
+        .join(format!("{}.json", plan.point_id(p)))
+}
+
+/// Every point file of the plan, in plan order (`None`: not done yet).
+fn point_files(out: &Path, plan: &Plan) -> Result<Vec<Option<PointFile>>, SweepError> {
+    plan.points()
+        .iter()
+        .map(|p| read_point(&point_path(out, plan, p)))
+        .collect()
+}
+
 /// The finished (not failed) points of a sweep folder, in plan order.
 pub fn load_points(out: &Path, plan: &Plan) -> Result<Vec<PointResult>, SweepError> {
-    let mut v = Vec::new();
-    for p in plan.points() {
-        let path = out
-            .join("points")
-            .join(format!("{}.json", plan.point_id(&p)));
-        if let Some(PointFile::Done(r)) = read_point(&path)? {
-            v.push(*r);
-        }
-    }
-    Ok(v)
+    Ok(point_files(out, plan)?
+        .into_iter()
+        .filter_map(|f| match f {
+            Some(PointFile::Done(r)) => Some(*r),
+            _ => None,
+        })
+        .collect())
 }
 
 /// The points of a sweep folder recorded as failed, in plan order.
 pub fn load_failed(out: &Path, plan: &Plan) -> Result<Vec<FailedPoint>, SweepError> {
-    let mut v = Vec::new();
-    for p in plan.points() {
-        let path = out
-            .join("points")
-            .join(format!("{}.json", plan.point_id(&p)));
-        if let Some(PointFile::Failed { failed }) = read_point(&path)? {
-            v.push(failed);
-        }
-    }
-    Ok(v)
+    Ok(point_files(out, plan)?
+        .into_iter()
+        .filter_map(|f| match f {
+            Some(PointFile::Failed { failed }) => Some(failed),
+            _ => None,
+        })
+        .collect())
 }
 
 /// Write results.csv and summary.csv from the finished points, in plan
@@ -676,11 +681,8 @@ fn assemble_report(out: &Path, plan: &Plan) -> Result<(bool, Vec<FailedPoint>), 
     let mut summaries = Vec::new();
     let mut failed = Vec::new();
     let mut complete = true;
-    for p in plan.points() {
-        let path = out
-            .join("points")
-            .join(format!("{}.json", plan.point_id(&p)));
-        match read_point(&path)? {
+    for f in point_files(out, plan)? {
+        match f {
             Some(PointFile::Done(r)) => {
                 rows.extend(r.rows);
                 summaries.push(r.summary);

@@ -222,7 +222,7 @@ fn verify_names_a_truncated_file() {
 }
 
 #[test]
-fn verify_names_a_flipped_byte() {
+fn verify_and_open_name_a_flipped_byte_and_unverified_reads_skip_the_check() {
     let tmp = tempfile::tempdir().unwrap();
     let out = write_trace(tmp.path(), Dtype::F16);
     let f = out.join("layer-000.safetensors");
@@ -235,6 +235,12 @@ fn verify_names_a_flipped_byte() {
         e.contains("layer-000.safetensors") && e.contains("sha256") && e.contains("corrupt"),
         "{e}"
     );
+    assert_checksum_refused(&out, "layer-000.safetensors");
+    let t = Trace::open_unverified(&out).unwrap();
+    assert!(!t.verified());
+    assert!(Trace::open(write_trace(&tmp.path().join("b"), Dtype::F16))
+        .unwrap()
+        .verified());
 }
 
 #[test]
@@ -365,25 +371,6 @@ fn offset_of(file: &[u8], tensor: &str, head: usize, row: usize, col: usize) -> 
 }
 
 #[test]
-fn open_refuses_a_flipped_byte_and_unverified_reads_skip_the_check() {
-    let tmp = tempfile::tempdir().unwrap();
-    let out = write_trace(tmp.path(), Dtype::F16);
-    let f = out.join("layer-000.safetensors");
-    let mut b = std::fs::read(&f).unwrap();
-    let n = b.len();
-    b[n - 3] ^= 0x10;
-    std::fs::write(&f, b).unwrap();
-    let e = Trace::open(&out).err().expect("a flipped byte is refused");
-    assert!(matches!(e, TraceError::Checksum { .. }), "{e}");
-    assert!(e.to_string().contains("layer-000.safetensors"), "{e}");
-    let t = Trace::open_unverified(&out).unwrap();
-    assert!(!t.verified());
-    assert!(Trace::open(write_trace(&tmp.path().join("b"), Dtype::F16))
-        .unwrap()
-        .verified());
-}
-
-#[test]
 fn open_refuses_swapped_k_and_v_offsets() {
     let tmp = tempfile::tempdir().unwrap();
     let out = write_trace(tmp.path(), Dtype::F16);
@@ -404,11 +391,14 @@ fn open_refuses_swapped_k_and_v_offsets() {
     std::fs::write(&f, b).unwrap();
     // the file is a valid safetensors file whose k and v are swapped
     assert!(Trace::open_unverified(&out).is_ok());
-    let e = Trace::open(&out)
-        .err()
-        .expect("swapped offsets are refused");
+    assert_checksum_refused(&out, "layer-001");
+}
+
+/// A verified open refuses `out` for a checksum, naming `file`.
+fn assert_checksum_refused(out: &Path, file: &str) {
+    let e = Trace::open(out).err().expect("refused");
     assert!(
-        matches!(e, TraceError::Checksum { .. }) && e.to_string().contains("layer-001"),
+        matches!(e, TraceError::Checksum { .. }) && e.to_string().contains(file),
         "{e}"
     );
 }
@@ -420,13 +410,7 @@ fn open_refuses_a_layer_file_linked_to_another_layer() {
     let f = out.join("layer-001.safetensors");
     std::fs::remove_file(&f).unwrap();
     std::os::unix::fs::symlink(out.join("layer-000.safetensors"), &f).unwrap();
-    let e = Trace::open(&out)
-        .err()
-        .expect("a linked layer file is refused");
-    assert!(
-        matches!(e, TraceError::Checksum { .. }) && e.to_string().contains("layer-001"),
-        "{e}"
-    );
+    assert_checksum_refused(&out, "layer-001");
 }
 
 #[test]
