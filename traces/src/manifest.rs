@@ -212,12 +212,18 @@ impl Manifest {
             });
         }
         let text = std::fs::read_to_string(&path).map_err(|e| TraceError::io(&path, e))?;
+        Manifest::parse(&path, &text)
+    }
+
+    /// Parse and check the text of a manifest; `path` names it in errors.
+    pub fn parse(path: &Path, text: &str) -> Result<Manifest, TraceError> {
+        let path = path.to_path_buf();
         let bad = |msg: String| TraceError::Manifest {
             path: path.clone(),
             msg,
         };
         let value: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+            serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
         match value.get("format").and_then(|f| f.as_str()) {
             Some(FORMAT_NAME) => {}
             other => {
