@@ -15,8 +15,11 @@ use kvreplay_capture::tasks::TaskSpec;
 use kvreplay_replay::spec::PolicySpec;
 use kvreplay_traces::{parse_layer_header, Dtype, Manifest, TraceLayout};
 
+/// A target: its input's bytes in, whether the parser accepted them out.
+pub type Target = fn(&[u8]) -> bool;
+
 /// The targets by name, as `fuzz/corpus/<name>/` holds their seeds.
-pub const TARGETS: &[(&str, fn(&[u8]) -> bool)] = &[
+pub const TARGETS: &[(&str, Target)] = &[
     ("manifest", manifest),
     ("layer_header", layer_header),
     ("gguf", gguf),
