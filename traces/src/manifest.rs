@@ -277,7 +277,7 @@ impl Manifest {
                 t.ids.len()
             ));
         }
-        if t.prompt_len + self.generation.n_decode != t.ids.len() {
+        if t.prompt_len.checked_add(self.generation.n_decode) != Some(t.ids.len()) {
             return Err(format!(
                 "tokens: prompt_len {} + generation.n_decode {} != {} ids",
                 t.prompt_len,

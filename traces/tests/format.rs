@@ -340,3 +340,19 @@ fn a_missing_tensor_is_named_with_the_flag_that_adds_it() {
         "{e}"
     );
 }
+
+#[test]
+fn a_manifest_whose_decode_count_overflows_is_refused() {
+    // prompt_len + n_decode overflowed (a panic with overflow checks, as
+    // under cargo-fuzz) instead of being reported
+    let mut m = manifest(&layout(Dtype::F32));
+    m.generation.n_decode = usize::MAX;
+    let text = serde_json::to_string(&m).unwrap();
+    let e = Manifest::parse(Path::new("t/manifest.json"), &text)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("t/manifest.json") && e.contains("generation.n_decode 18446744073709551615"),
+        "{e}"
+    );
+}
