@@ -10,7 +10,7 @@ pub enum CaptureError {
     NotGguf { path: PathBuf, why: String },
     #[error("{path}: GGUF version {version} is not supported (versions 2 and 3 are); re-convert the model with a current llama.cpp")]
     GgufVersion { path: PathBuf, version: u32 },
-    #[error("{path}: corrupt GGUF file: {msg}")]
+    #[error("{path}: corrupt GGUF file: {msg}; re-download or re-convert the model")]
     GgufCorrupt { path: PathBuf, msg: String },
     #[error("{path}: metadata key `{key}` is {problem}")]
     Metadata {

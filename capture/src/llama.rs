@@ -82,9 +82,12 @@ impl LlamaConfig {
             });
         }
         let k = |s: &str| format!("{arch}.{s}");
-        let n_layers = g.get_u64(&k("block_count"))? as usize;
-        let d_model = g.get_u64(&k("embedding_length"))? as usize;
-        let n_heads = g.get_u64(&k("attention.head_count"))? as usize;
+        // Every value is checked where it is read: counts positive, floats
+        // finite and positive, products that size tensors free of overflow.
+        let count = |s: &str| g.count(&k(s));
+        let n_layers = count("block_count")?;
+        let d_model = count("embedding_length")?;
+        let n_heads = count("attention.head_count")?;
         let n_kv_heads = match g.get(&k("attention.head_count_kv")) {
             Some(v) => v.as_u64().ok_or_else(|| CaptureError::Metadata {
                 path: g.path.clone(),
@@ -93,11 +96,10 @@ impl LlamaConfig {
             })? as usize,
             None => n_heads,
         };
-        let ffn_dim = g.get_u64(&k("feed_forward_length"))? as usize;
-        let context_length = g.get_u64(&k("context_length"))? as usize;
-        let norm_eps = g.get_f64(&k("attention.layer_norm_rms_epsilon"))? as f32;
-        if n_heads == 0
-            || n_kv_heads == 0
+        let ffn_dim = count("feed_forward_length")?;
+        let context_length = count("context_length")?;
+        let norm_eps = g.positive_f32(&k("attention.layer_norm_rms_epsilon"), None)?;
+        if n_kv_heads == 0
             || !n_heads.is_multiple_of(n_kv_heads)
             || !d_model.is_multiple_of(n_heads)
         {
@@ -109,32 +111,41 @@ impl LlamaConfig {
                 ),
             });
         }
-        let head_dim = match g.get(&k("attention.key_length")) {
-            Some(v) => v.as_u64().unwrap_or(0) as usize,
-            None => d_model / n_heads,
-        };
-        let rotated_dims = match g.get(&k("rope.dimension_count")) {
-            Some(v) => v.as_u64().unwrap_or(0) as usize,
-            None => head_dim,
-        };
-        if rotated_dims == 0 || rotated_dims > head_dim || rotated_dims % 2 != 0 {
+        let head_dim = g.count_or(&k("attention.key_length"), d_model / n_heads)?;
+        if let Some(value_dim) = g.opt_u64(&k("attention.value_length"))? {
+            if value_dim != head_dim as u64 {
+                return Err(CaptureError::Unsupported {
+                    path: g.path.clone(),
+                    msg: format!(
+                        "{} is {value_dim} but {} is {head_dim}; only equal key and value head sizes are supported",
+                        k("attention.value_length"),
+                        k("attention.key_length")
+                    ),
+                });
+            }
+        }
+        if n_heads.checked_mul(head_dim).is_none() {
+            return Err(CaptureError::Metadata {
+                path: g.path.clone(),
+                key: k("attention.key_length"),
+                problem: format!(
+                    "{head_dim}, which times {n_heads} heads overflows; the file is corrupt"
+                ),
+            });
+        }
+        let rotated_dims = g.count_or(&k("rope.dimension_count"), head_dim)?;
+        if rotated_dims > head_dim || rotated_dims % 2 != 0 {
             return Err(CaptureError::Metadata {
                 path: g.path.clone(),
                 key: k("rope.dimension_count"),
                 problem: format!("{rotated_dims}, which does not fit head_dim {head_dim}"),
             });
         }
-        let theta = match g.get(&k("rope.freq_base")) {
-            Some(v) => v.as_f64().unwrap_or(10000.0),
-            None => 10000.0,
-        };
-        let scaling = g
-            .get(&k("rope.scaling.type"))
-            .and_then(|v| v.as_str())
-            .unwrap_or("none");
+        let theta = g.positive_f64(&k("rope.freq_base"), Some(10000.0))?;
+        let scaling = g.opt_str(&k("rope.scaling.type"))?.unwrap_or("none");
         let linear_factor = match scaling {
             "none" => 1.0,
-            "linear" => g.get_f64(&k("rope.scaling.factor"))?,
+            "linear" => g.positive_f64(&k("rope.scaling.factor"), None)?,
             other => {
                 return Err(CaptureError::Unsupported {
                     path: g.path.clone(),
@@ -152,9 +163,16 @@ impl LlamaConfig {
             });
         }
         let vocab_size = match g.get(&k("vocab_size")) {
-            Some(v) => v.as_u64().unwrap_or(0) as usize,
+            Some(_) => count("vocab_size")?,
             None => g.get_strings("tokenizer.ggml.tokens")?.len(),
         };
+        if vocab_size == 0 {
+            return Err(CaptureError::Metadata {
+                path: g.path.clone(),
+                key: "tokenizer.ggml.tokens".into(),
+                problem: "empty; a model needs a vocabulary".into(),
+            });
+        }
         Ok(LlamaConfig {
             n_layers,
             d_model,

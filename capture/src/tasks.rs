@@ -48,64 +48,105 @@ fn filler(model: &Model, n_tokens: usize) -> Result<Vec<String>, CaptureError> {
     Ok(out)
 }
 
-/// Parse `name:key=value,...` task specs and build the prompt.
-pub fn build(spec: &str, model: &Model) -> Result<TaskPrompt, CaptureError> {
-    let (name, rest) = spec.split_once(':').unwrap_or((spec, ""));
-    let bad = |m: String| CaptureError::InvalidOption(format!("--task {spec}: {m}"));
-    if name == "file" {
-        let text = std::fs::read_to_string(rest).map_err(|e| CaptureError::io(rest, e))?;
-        return Ok(TaskPrompt {
-            text,
-            spans: vec![],
-            source: format!("task:file:{rest}"),
-        });
-    }
-    let mut length = 1024usize;
-    let mut depth = 0.5f64;
-    let mut facts = 4usize;
-    for kv in rest.split(',').filter(|s| !s.is_empty()) {
-        let (k, v) = kv
-            .split_once('=')
-            .ok_or_else(|| bad(format!("`{kv}` is not key=value")))?;
-        match (name, k) {
-            (_, "length") => {
-                length = v
-                    .parse()
-                    .map_err(|_| bad(format!("length `{v}` is not a number of tokens")))?
-            }
-            ("passkey", "depth") => {
-                depth = v
-                    .parse()
-                    .ok()
-                    .filter(|d: &f64| (0.0..=1.0).contains(d))
-                    .ok_or_else(|| bad(format!("depth `{v}` must lie in [0, 1]")))?
-            }
-            ("multifact", "facts") => {
-                facts = v
-                    .parse()
-                    .ok()
-                    .filter(|f| *f >= 1)
-                    .ok_or_else(|| bad(format!("facts `{v}` must be a positive number")))?
-            }
-            _ => {
-                return Err(bad(format!(
-                    "unknown parameter `{k}` (passkey: length, depth; multifact: length, facts)"
-                )))
+/// The longest task prompt `--task` builds, in tokens (2^24, far beyond
+/// any model's context; a longer one would only exhaust memory building filler).
+pub const MAX_TASK_LENGTH: usize = 1 << 24;
+
+/// A parsed `--task` spec.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TaskSpec {
+    /// `file:PATH`: plain text from a file.
+    File(String),
+    /// `passkey:length=N,depth=D`.
+    Passkey { length: usize, depth: f64 },
+    /// `multifact:length=N,facts=K`.
+    Multifact { length: usize, facts: usize },
+}
+
+impl TaskSpec {
+    /// Parse `name:key=value,...` (or `file:PATH`) without building anything.
+    pub fn parse(spec: &str) -> Result<TaskSpec, CaptureError> {
+        let (name, rest) = spec.split_once(':').unwrap_or((spec, ""));
+        let bad = |m: String| CaptureError::InvalidOption(format!("--task {spec}: {m}"));
+        if name == "file" {
+            return Ok(TaskSpec::File(rest.to_string()));
+        }
+        if !matches!(name, "passkey" | "multifact") {
+            return Err(bad(format!(
+                "unknown task `{name}` (known: passkey, multifact, file:PATH)"
+            )));
+        }
+        let mut length = 1024usize;
+        let mut depth = 0.5f64;
+        let mut facts = 4usize;
+        for kv in rest.split(',').filter(|s| !s.is_empty()) {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| bad(format!("`{kv}` is not key=value")))?;
+            match (name, k) {
+                (_, "length") => {
+                    length = v
+                        .parse()
+                        .ok()
+                        .filter(|n| *n <= MAX_TASK_LENGTH)
+                        .ok_or_else(|| {
+                            bad(format!(
+                                "length `{v}` is not a number of tokens up to {MAX_TASK_LENGTH}"
+                            ))
+                        })?
+                }
+                ("passkey", "depth") => {
+                    depth = v
+                        .parse()
+                        .ok()
+                        .filter(|d: &f64| (0.0..=1.0).contains(d))
+                        .ok_or_else(|| bad(format!("depth `{v}` must lie in [0, 1]")))?
+                }
+                ("multifact", "facts") => {
+                    facts = v
+                        .parse()
+                        .ok()
+                        .filter(|f| *f >= 1)
+                        .ok_or_else(|| bad(format!("facts `{v}` must be a positive number")))?
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "unknown parameter `{k}` (passkey: length, depth; multifact: length, facts)"
+                    )))
+                }
             }
         }
+        if name == "passkey" {
+            return Ok(TaskSpec::Passkey { length, depth });
+        }
+        if facts > length {
+            return Err(bad(format!(
+                "{facts} facts cannot fit in a prompt of {length} tokens (each fact takes several); use fewer facts or a longer length"
+            )));
+        }
+        Ok(TaskSpec::Multifact { length, facts })
     }
-    match name {
-        "passkey" => passkey(model, length, depth).map(|mut t| {
+}
+
+/// Parse `name:key=value,...` task specs and build the prompt.
+pub fn build(spec: &str, model: &Model) -> Result<TaskPrompt, CaptureError> {
+    match TaskSpec::parse(spec)? {
+        TaskSpec::File(path) => {
+            let text = std::fs::read_to_string(&path).map_err(|e| CaptureError::io(&path, e))?;
+            Ok(TaskPrompt {
+                text,
+                spans: vec![],
+                source: format!("task:file:{path}"),
+            })
+        }
+        TaskSpec::Passkey { length, depth } => passkey(model, length, depth).map(|mut t| {
             t.source = format!("task:passkey:length={length},depth={depth}");
             t
         }),
-        "multifact" => multifact(model, length, facts).map(|mut t| {
+        TaskSpec::Multifact { length, facts } => multifact(model, length, facts).map(|mut t| {
             t.source = format!("task:multifact:length={length},facts={facts}");
             t
         }),
-        other => Err(bad(format!(
-            "unknown task `{other}` (known: passkey, multifact, file:PATH)"
-        ))),
     }
 }
 
@@ -281,4 +322,45 @@ pub fn default_suite() -> Vec<(String, String)> {
             )
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn task_specs_parse_without_a_model() {
+        assert_eq!(
+            TaskSpec::parse("passkey:length=512,depth=0.1").unwrap(),
+            TaskSpec::Passkey {
+                length: 512,
+                depth: 0.1
+            }
+        );
+        assert_eq!(
+            TaskSpec::parse("multifact").unwrap(),
+            TaskSpec::Multifact {
+                length: 1024,
+                facts: 4
+            }
+        );
+        assert_eq!(
+            TaskSpec::parse("file:notes:v2.txt").unwrap(),
+            TaskSpec::File("notes:v2.txt".into())
+        );
+        let e = TaskSpec::parse("essay:length=5").unwrap_err().to_string();
+        assert!(e.contains("unknown task `essay`"), "{e}");
+    }
+
+    #[test]
+    fn absurd_task_lengths_and_fact_counts_are_refused_when_parsed() {
+        // both once built filler (or encoded facts) until memory ran out
+        for (spec, why) in [
+            ("passkey:length=1000000000000000", "up to 16777216"),
+            ("multifact:length=100,facts=1000000000000", "cannot fit"),
+        ] {
+            let e = TaskSpec::parse(spec).unwrap_err().to_string();
+            assert!(e.contains(spec) && e.contains(why), "{e}");
+        }
+    }
 }

@@ -3,7 +3,7 @@
 #![allow(missing_docs)]
 
 use crate::gguf::write::{gguf_bytes, RawTensor};
-use crate::gguf::MetaValue;
+use crate::gguf::{MetaArray, MetaValue};
 use std::path::{Path, PathBuf};
 
 pub const D_MODEL: u64 = 32;
@@ -108,10 +108,23 @@ pub const PLAIN: Tweak = Tweak {
 };
 
 pub fn tiny_gguf(dir: &Path, tweak: &Tweak) -> PathBuf {
+    let path = dir.join(format!(
+        "tiny-{}-{}-{}-{}.gguf",
+        tweak.arch, tweak.ffn_up_type, tweak.pre, tweak.untied
+    ));
+    std::fs::write(&path, tiny_gguf_bytes(tweak, |_, _| {})).unwrap();
+    path
+}
+
+/// The bytes of a tiny model, after `edit` changed its metadata and tensors.
+pub fn tiny_gguf_bytes(
+    tweak: &Tweak,
+    edit: impl FnOnce(&mut Vec<(String, MetaValue)>, &mut Vec<RawTensor>),
+) -> Vec<u8> {
     let (tokens, types) = vocab();
     let v = tokens.len() as u64;
     let a = tweak.arch;
-    let meta: Vec<(String, MetaValue)> = vec![
+    let mut meta: Vec<(String, MetaValue)> = vec![
         ("general.architecture".into(), MetaValue::Str(a.into())),
         ("general.name".into(), MetaValue::Str("tiny".into())),
         (format!("{a}.block_count"), MetaValue::Uint(LAYERS as u64)),
@@ -124,9 +137,9 @@ pub fn tiny_gguf(dir: &Path, tweak: &Tweak) -> PathBuf {
         (format!("{a}.attention.layer_norm_rms_epsilon"), MetaValue::Float(1e-5)),
         ("tokenizer.ggml.model".into(), MetaValue::Str("gpt2".into())),
         ("tokenizer.ggml.pre".into(), MetaValue::Str(tweak.pre.into())),
-        ("tokenizer.ggml.tokens".into(), MetaValue::Array(tokens.into_iter().map(MetaValue::Str).collect())),
-        ("tokenizer.ggml.token_type".into(), MetaValue::Array(types.into_iter().map(MetaValue::Uint).collect())),
-        ("tokenizer.ggml.merges".into(), MetaValue::Array(MERGES.iter().map(|m| MetaValue::Str(m.to_string())).collect())),
+        ("tokenizer.ggml.tokens".into(), MetaValue::Array(MetaArray::Str(tokens.iter().collect()))),
+        ("tokenizer.ggml.token_type".into(), MetaValue::Array(MetaArray::I32(types.iter().map(|&t| t as i32).collect()))),
+        ("tokenizer.ggml.merges".into(), MetaValue::Array(MetaArray::Str(MERGES.iter().collect()))),
         ("tokenizer.ggml.eos_token_id".into(), MetaValue::Uint(2)),
         ("tokenizer.chat_template".into(), MetaValue::Str("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}".into())),
     ];
@@ -167,12 +180,8 @@ pub fn tiny_gguf(dir: &Path, tweak: &Tweak) -> PathBuf {
         t.push(up);
         t.push(f32_tensor(&n("ffn_down"), &[f, d], s + 9, 0.3));
     }
+    edit(&mut meta, &mut t);
     let meta_refs: Vec<(&str, MetaValue)> =
         meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-    let path = dir.join(format!(
-        "tiny-{a}-{}-{}-{}.gguf",
-        tweak.ffn_up_type, tweak.pre, tweak.untied
-    ));
-    std::fs::write(&path, gguf_bytes(&meta_refs, &t)).unwrap();
-    path
+    gguf_bytes(&meta_refs, &t)
 }

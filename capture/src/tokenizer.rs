@@ -50,12 +50,12 @@ impl Tokenizer {
             .unwrap_or("default");
         let tokens: Vec<String> = g
             .get_strings("tokenizer.ggml.tokens")?
-            .into_iter()
+            .iter()
             .map(String::from)
             .collect();
         let merges: Vec<(String, String)> = g
             .get_strings("tokenizer.ggml.merges")?
-            .into_iter()
+            .iter()
             .map(|m| {
                 m.split_once(' ')
                     .map(|(a, b)| (a.to_string(), b.to_string()))
@@ -72,7 +72,7 @@ impl Tokenizer {
             .get("tokenizer.ggml.token_type")
             .and_then(|v| v.as_array())
         {
-            Some(a) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
+            Some(a) => (0..a.len()).map(|i| a.u64_at(i).unwrap_or(1)).collect(),
             None => vec![1; tokens.len()],
         };
         let vocab: Vocab = tokens

@@ -341,6 +341,23 @@ fn task_lengths_that_cannot_hold_the_task_are_refused() {
 }
 
 #[test]
+fn absurd_task_lengths_are_refused_before_building_filler() {
+    // length=10^15 once built filler sentences until memory ran out
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load(tmp.path());
+    for spec in [
+        "passkey:length=1000000000000000",
+        "multifact:length=50,facts=1000000000000",
+    ] {
+        let e = match kvreplay_capture::tasks::build(spec, &m) {
+            Ok(_) => panic!("{spec} was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains(spec), "{spec}: {e}");
+    }
+}
+
+#[test]
 fn a_pass_key_at_depth_one_keeps_its_needle() {
     // depth 1 puts the needle after the last filler sentence, not nowhere
     let tmp = tempfile::tempdir().unwrap();

@@ -61,25 +61,6 @@ pub enum TraceError {
 }
 
 impl TraceError {
-    /// The same error about `path` (for errors made without a file, e.g. by
-    /// [`crate::Manifest::parse`]).
-    pub fn at(self, path: &std::path::Path) -> TraceError {
-        match self {
-            TraceError::Manifest { msg, .. } => TraceError::Manifest {
-                path: path.to_path_buf(),
-                msg,
-            },
-            TraceError::NewerVersion {
-                found, supported, ..
-            } => TraceError::NewerVersion {
-                path: path.to_path_buf(),
-                found,
-                supported,
-            },
-            other => other,
-        }
-    }
-
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         TraceError::Io {
             path: path.into(),

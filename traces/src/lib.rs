@@ -21,7 +21,7 @@ pub use manifest::{
     CaptureInfo, Dtype, FileEntry, Generation, Manifest, ModelInfo, Rope, RopeScaling, RopeStyle,
     SourceFile, Span, Tokens, FORMAT_NAME, FORMAT_VERSION,
 };
-pub use reader::{HeadView, LayerView, Reads, Trace};
+pub use reader::{parse_layer_header, HeadView, LayerView, Reads, TensorIndex, Trace};
 pub use verify::{verify, VerifyOptions, VerifyReport};
 pub use writer::{LayerWriter, TensorKind, TraceLayout, TraceWriter};
 

@@ -241,13 +241,12 @@ impl Manifest {
             path: path.clone(),
             msg: "not UTF-8 text".into(),
         })?;
-        Ok((Manifest::parse(&text).map_err(|e| e.at(&path))?, id))
+        Ok((Manifest::parse(&path, &text)?, id))
     }
 
-    /// Parse and check a manifest's text (errors carry an empty path: see
-    /// [`TraceError::at`]).
-    pub fn parse(text: &str) -> Result<Manifest, TraceError> {
-        let path = std::path::PathBuf::new();
+    /// Parse and check the text of a manifest; `path` names it in errors.
+    pub fn parse(path: &Path, text: &str) -> Result<Manifest, TraceError> {
+        let path = path.to_path_buf();
         let bad = |msg: String| TraceError::Manifest {
             path: path.clone(),
             msg,
@@ -335,7 +334,7 @@ impl Manifest {
                 t.ids.len()
             ));
         }
-        if t.prompt_len + self.generation.n_decode != t.ids.len() {
+        if t.prompt_len.checked_add(self.generation.n_decode) != Some(t.ids.len()) {
             return Err(format!(
                 "tokens: prompt_len {} + generation.n_decode {} != {} ids",
                 t.prompt_len,

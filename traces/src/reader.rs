@@ -29,8 +29,8 @@ pub enum Reads {
     Unverified,
 }
 
-/// name -> (dtype, shape, absolute byte range in the file)
-type TensorIndex = BTreeMap<String, (Dtype, Vec<usize>, std::ops::Range<usize>)>;
+/// A layer file's tensors: name -> (dtype, shape, absolute byte range in the file).
+pub type TensorIndex = BTreeMap<String, (Dtype, Vec<usize>, std::ops::Range<usize>)>;
 
 struct LayerFile {
     path: PathBuf,
@@ -84,7 +84,7 @@ impl Trace {
             // SAFETY: trace files are written once and never modified in place;
             // a concurrent rewrite replaces the directory by rename.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| TraceError::io(&path, e))?;
-            let tensors = parse_layer(&path, &mmap, &layout)?;
+            let tensors = parse_layer_header(&path, &mmap, &layout)?;
             let layer = LayerFile {
                 path,
                 mmap,
@@ -147,7 +147,14 @@ impl Manifest {
     }
 }
 
-fn parse_layer(path: &Path, bytes: &[u8], layout: &TraceLayout) -> Result<TensorIndex, TraceError> {
+/// Read the safetensors header of a layer file's bytes and check that it
+/// holds every tensor `layout` implies, with its dtype and shape, inside the
+/// file; `path` names the file in errors. What `Trace::open` does per file.
+pub fn parse_layer_header(
+    path: &Path,
+    bytes: &[u8],
+    layout: &TraceLayout,
+) -> Result<TensorIndex, TraceError> {
     let bad = |tensor: &str, msg: String| TraceError::Tensor {
         path: path.to_path_buf(),
         tensor: tensor.to_string(),

@@ -524,3 +524,19 @@ fn the_content_id_names_the_capture_not_the_folder() {
     assert_ne!(id(&a), id(&c));
     assert_eq!(id(&a).len(), 64);
 }
+
+#[test]
+fn a_manifest_whose_decode_count_overflows_is_refused() {
+    // prompt_len + n_decode overflowed (a panic with overflow checks, as
+    // under cargo-fuzz) instead of being reported
+    let mut m = manifest(&layout(Dtype::F32));
+    m.generation.n_decode = usize::MAX;
+    let text = serde_json::to_string(&m).unwrap();
+    let e = Manifest::parse(Path::new("t/manifest.json"), &text)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("t/manifest.json") && e.contains("generation.n_decode 18446744073709551615"),
+        "{e}"
+    );
+}
