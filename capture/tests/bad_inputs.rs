@@ -155,3 +155,51 @@ fn force_replaces_a_trace_whole_and_leaves_no_side_folders() {
         .collect();
     assert_eq!(names, ["t.kvtrace"]);
 }
+
+#[test]
+fn decode_lengths_past_the_context_are_refused_without_wrapping() {
+    // --decode 18446744073709551613 wrapped prompt + decode to a few tokens
+    // and panicked in the forward pass.
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load(tmp.path(), 64);
+    let out = tmp.path().join("x.kvtrace");
+    for n in [18446744073709551613usize, usize::MAX, 64] {
+        for beyond_context in [false, true] {
+            if beyond_context && n == 64 {
+                continue; // past the context on purpose (benchmarks): allowed
+            }
+            let mut o = small(&out);
+            o.n_decode = n;
+            o.beyond_context = beyond_context;
+            let e = err_of(capture(&m, &o, &mut |_| {}));
+            assert!(
+                e.contains(&format!("{n} more are to be generated"))
+                    && e.contains("context is 64 tokens")
+                    && e.contains("lower --decode"),
+                "{n}: {e}"
+            );
+        }
+    }
+    assert!(!out.exists() && !tmp.path().join("x.kvtrace.partial").exists());
+}
+
+#[test]
+fn forward_past_the_cache_is_an_error_not_a_panic() {
+    use kvreplay_capture::llama::{ForwardOptions, KvCache};
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load(tmp.path(), 64);
+    let mut cache = KvCache::new(&m.llama.cfg, 4);
+    let fo = ForwardOptions {
+        colsum: None,
+        probs: false,
+        attention: None,
+    };
+    let r = m.llama.forward(&[5, 6], 3, &mut cache, fo, &mut |_| {});
+    let e = r
+        .expect_err("positions 3..5 do not fit a cache of 4")
+        .to_string();
+    assert!(
+        e.contains("positions 3..5") && e.contains("capacity 4"),
+        "{e}"
+    );
+}

@@ -1,0 +1,37 @@
+//! `kvreplay capture` and global options on bad inputs, through the binary,
+//! on a tiny generated model (no real model needed): each must end with a
+//! clear message and exit status 1, never a panic, a signal or a hang.
+
+mod common;
+
+use common::{kvreplay, text};
+use kvreplay_capture::testing::{tiny_gguf, PLAIN};
+
+#[test]
+fn capture_with_a_decode_length_that_would_wrap_fails_cleanly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_gguf(tmp.path(), &PLAIN);
+    let out = tmp.path().join("x.kvtrace");
+    let o = kvreplay(&[
+        "capture",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "the cat",
+        "--decode",
+        "18446744073709551613",
+        "--out",
+        out.to_str().unwrap(),
+        "--device",
+        "cpu",
+    ]);
+    let s = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{s}");
+    assert!(
+        s.contains("18446744073709551613 more are to be generated")
+            && s.contains("context is 64 tokens")
+            && !s.contains("panicked"),
+        "{s}"
+    );
+    assert!(!out.exists());
+}
