@@ -35,3 +35,37 @@ fn capture_with_a_decode_length_that_would_wrap_fails_cleanly() {
     );
     assert!(!out.exists());
 }
+
+#[test]
+fn capture_refuses_a_fifo_as_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fifo = tmp.path().join("pipe.gguf");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    // Held open read-write (never blocks on Linux), so a kvreplay that opens
+    // the FIFO fails rather than hangs.
+    let _held = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&fifo)
+        .unwrap();
+    let out = tmp.path().join("x.kvtrace");
+    let o = kvreplay(&[
+        "capture",
+        "--model",
+        fifo.to_str().unwrap(),
+        "--prompt",
+        "the cat",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let s = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{s}");
+    assert!(
+        s.contains("pipe.gguf") && s.contains("a FIFO (named pipe), not a regular file"),
+        "{s}"
+    );
+}

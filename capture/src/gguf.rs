@@ -150,13 +150,15 @@ impl<'a> Cursor<'a> {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<GgufFile, CaptureError> {
-        let file = std::fs::File::open(path).map_err(|e| CaptureError::io(path, e))?;
-        if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
+        // Checked before opening: opening a FIFO blocks until a writer comes.
+        let meta = std::fs::metadata(path).map_err(|e| CaptureError::io(path, e))?;
+        if !meta.is_file() {
             return Err(CaptureError::NotGguf {
                 path: path.into(),
-                why: "it is a directory".into(),
+                why: format!("it is {}, not a regular file", file_kind(&meta)),
             });
         }
+        let file = std::fs::File::open(path).map_err(|e| CaptureError::io(path, e))?;
         // SAFETY: model files are read-only inputs; we never write through the map.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| CaptureError::io(path, e))?;
         if mmap.len() < 24 || &mmap[..4] != b"GGUF" {
@@ -438,4 +440,29 @@ pub mod write {
         }
         out
     }
+}
+
+/// What a non-regular file is, for messages ("a directory", "a FIFO (named pipe)", ...).
+fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    let t = meta.file_type();
+    if t.is_dir() {
+        return "a directory";
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a FIFO (named pipe)";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+    }
+    "a special file"
 }

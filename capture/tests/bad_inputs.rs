@@ -203,3 +203,32 @@ fn forward_past_the_cache_is_an_error_not_a_panic() {
         "{e}"
     );
 }
+
+#[test]
+fn a_model_that_is_not_a_regular_file_is_refused_before_it_is_opened() {
+    // A FIFO as --model blocked forever in open().
+    let tmp = tempfile::tempdir().unwrap();
+    let fifo = tmp.path().join("model.gguf");
+    let st = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    // Hold the FIFO open read-write (which never blocks on Linux), so that a
+    // capture that does open it fails at once instead of hanging this test.
+    let _held = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&fifo)
+        .unwrap();
+    let e = err_of(Model::load(&fifo));
+    assert!(
+        e.contains("model.gguf") && e.contains("a FIFO (named pipe), not a regular file"),
+        "{e}"
+    );
+    let e = err_of(Model::load(Path::new("/dev/null")));
+    assert!(
+        e.contains("/dev/null") && e.contains("a character device, not a regular file"),
+        "{e}"
+    );
+}
