@@ -94,6 +94,13 @@ pub fn build(spec: &str, model: &Model) -> Result<TaskPrompt, CaptureError> {
             }
         }
     }
+    let context = model.llama.cfg.context_length;
+    if matches!(name, "passkey" | "multifact") && length > context {
+        // also keeps the filler loop finite: length=100000000000 ran unbounded
+        return Err(bad(format!(
+            "length={length} is more than the model's context is {context} tokens (and the prompt must fit it); use length={context} or less"
+        )));
+    }
     match name {
         "passkey" => passkey(model, length, depth).map(|mut t| {
             t.source = format!("task:passkey:length={length},depth={depth}");

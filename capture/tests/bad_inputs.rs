@@ -232,3 +232,26 @@ fn a_model_that_is_not_a_regular_file_is_refused_before_it_is_opened() {
         "{e}"
     );
 }
+
+#[test]
+fn task_lengths_past_the_context_are_refused() {
+    // passkey:length=100000000000 tokenized filler without end.
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load(tmp.path(), 64);
+    for spec in [
+        "passkey:length=1000",
+        "multifact:length=65,facts=2",
+        "passkey:length=100000000000,depth=0.5",
+    ] {
+        let e = match kvreplay_capture::tasks::build(spec, &m) {
+            Ok(_) => panic!("{spec} was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            e.contains(&format!("--task {spec}"))
+                && e.contains("the model's context is 64 tokens")
+                && e.contains("use length=64 or less"),
+            "{spec}: {e}"
+        );
+    }
+}
