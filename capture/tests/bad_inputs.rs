@@ -255,3 +255,36 @@ fn task_lengths_past_the_context_are_refused() {
         );
     }
 }
+
+#[test]
+fn chat_templates_that_do_not_finish_run_out_of_fuel() {
+    // Nested 100,000-step loops in tokenizer.chat_template ran for hours.
+    let tmp = tempfile::tempdir().unwrap();
+    for chat_template in [
+        "{% for i in range(3000) %}{% for j in range(3000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}",
+        "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}",
+    ] {
+        let path = tiny_gguf(
+            tmp.path(),
+            &Tweak {
+                chat_template,
+                ..PLAIN
+            },
+        );
+        let m = Model::load(&path).unwrap();
+        let e = err_of(m.tokenizer.apply_chat_template("hi"));
+        assert!(
+            e.contains(&path.display().to_string())
+                && e.contains("tokenizer.chat_template")
+                && e.contains("steps")
+                && e.contains("without --chat"),
+            "{e}"
+        );
+    }
+    // An ordinary template still renders.
+    let m = Model::load(&tiny_gguf(tmp.path(), &PLAIN)).unwrap();
+    assert_eq!(
+        m.tokenizer.apply_chat_template("hi").unwrap(),
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
