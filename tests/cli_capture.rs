@@ -8,6 +8,24 @@ use common::{kvreplay, text};
 use kvreplay_capture::testing::{tiny_gguf, PLAIN};
 
 #[test]
+fn threads_beyond_the_cap_are_capped_with_a_warning() {
+    // --threads 100000 built a pool of 100,000 threads (over a minute).
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cap = cpus.max(256);
+    let o = kvreplay(&["--threads", "100000", "policies"]);
+    let s = text(&o);
+    assert!(o.status.success(), "{s}");
+    assert!(
+        s.contains(&format!(
+            "--threads 100000 is more than kvreplay can use; using {cap}"
+        )),
+        "{s}"
+    );
+    let o = kvreplay(&["--threads", "2", "policies"]);
+    assert!(o.status.success() && !text(&o).contains("--threads"));
+}
+
+#[test]
 fn capture_with_a_decode_length_that_would_wrap_fails_cleanly() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_gguf(tmp.path(), &PLAIN);
