@@ -87,3 +87,25 @@ fn capture_refuses_a_fifo_as_model() {
         "{s}"
     );
 }
+
+#[test]
+fn capture_refuses_a_prompt_file_that_is_not_a_regular_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_gguf(tmp.path(), &PLAIN);
+    let out = tmp.path().join("x.kvtrace");
+    let o = kvreplay(&[
+        "capture",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-file",
+        "/dev/null",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let s = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{s}");
+    assert!(
+        s.contains("/dev/null: the prompt file is a character device, not a regular file"),
+        "{s}"
+    );
+}

@@ -151,11 +151,10 @@ impl<'a> Cursor<'a> {
 impl GgufFile {
     pub fn open(path: &Path) -> Result<GgufFile, CaptureError> {
         // Checked before opening: opening a FIFO blocks until a writer comes.
-        let meta = std::fs::metadata(path).map_err(|e| CaptureError::io(path, e))?;
-        if !meta.is_file() {
+        if let Some(kind) = crate::files::non_regular(path)? {
             return Err(CaptureError::NotGguf {
                 path: path.into(),
-                why: format!("it is {}, not a regular file", file_kind(&meta)),
+                why: format!("it is {kind}, not a regular file"),
             });
         }
         let file = std::fs::File::open(path).map_err(|e| CaptureError::io(path, e))?;
@@ -440,29 +439,4 @@ pub mod write {
         }
         out
     }
-}
-
-/// What a non-regular file is, for messages ("a directory", "a FIFO (named pipe)", ...).
-fn file_kind(meta: &std::fs::Metadata) -> &'static str {
-    let t = meta.file_type();
-    if t.is_dir() {
-        return "a directory";
-    }
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::FileTypeExt;
-        if t.is_fifo() {
-            return "a FIFO (named pipe)";
-        }
-        if t.is_char_device() {
-            return "a character device";
-        }
-        if t.is_block_device() {
-            return "a block device";
-        }
-        if t.is_socket() {
-            return "a socket";
-        }
-    }
-    "a special file"
 }

@@ -53,7 +53,7 @@ pub fn build(spec: &str, model: &Model) -> Result<TaskPrompt, CaptureError> {
     let (name, rest) = spec.split_once(':').unwrap_or((spec, ""));
     let bad = |m: String| CaptureError::InvalidOption(format!("--task {spec}: {m}"));
     if name == "file" {
-        let text = std::fs::read_to_string(rest).map_err(|e| CaptureError::io(rest, e))?;
+        let text = crate::read_text_file(std::path::Path::new(rest), "prompt file")?;
         return Ok(TaskPrompt {
             text,
             spans: vec![],

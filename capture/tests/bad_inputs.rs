@@ -288,3 +288,26 @@ fn chat_templates_that_do_not_finish_run_out_of_fuel() {
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     );
 }
+
+#[test]
+fn prompt_text_files_that_are_not_regular_files_are_refused() {
+    // file:PATH read a FIFO (blocking) or a device (never ending) as text.
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load(tmp.path(), 64);
+    let e = err_of(kvreplay_capture::tasks::build("file:/dev/null", &m));
+    assert!(
+        e.contains("/dev/null")
+            && e.contains("the prompt file is a character device, not a regular file"),
+        "{e}"
+    );
+    let e = err_of(kvreplay_capture::read_text_file(tmp.path(), "prompt file"));
+    assert!(
+        e.contains("the prompt file is a directory, not a regular file"),
+        "{e}"
+    );
+    std::fs::write(tmp.path().join("p.txt"), "the cat").unwrap();
+    assert_eq!(
+        kvreplay_capture::read_text_file(&tmp.path().join("p.txt"), "prompt file").unwrap(),
+        "the cat"
+    );
+}
