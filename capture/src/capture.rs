@@ -119,14 +119,17 @@ pub fn capture(
     if p == 0 {
         return Err(CaptureError::EmptyPrompt);
     }
-    let t = p + opts.n_decode;
-    if t > cfg.context_length && !opts.beyond_context {
-        return Err(CaptureError::PromptTooLong {
-            prompt: p,
-            decode: opts.n_decode,
-            context: cfg.context_length,
-        });
-    }
+    // checked: a huge --decode must not wrap T around to a few tokens
+    let t = match p.checked_add(opts.n_decode) {
+        Some(t) if t <= cfg.context_length || opts.beyond_context => t,
+        _ => {
+            return Err(CaptureError::PromptTooLong {
+                prompt: p,
+                decode: opts.n_decode,
+                context: cfg.context_length,
+            })
+        }
+    };
     if opts.attn_probs && t > MAX_ATTN_PROBS_LEN {
         return Err(CaptureError::InvalidOption(format!(
             "--attn-probs stores (n_heads, T, T) per layer and is limited to T <= {MAX_ATTN_PROBS_LEN}; this trace has T = {t}"

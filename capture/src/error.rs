@@ -30,6 +30,12 @@ pub enum CaptureError {
         tensor: String,
         type_name: String,
     },
+    #[error("{path}: the {what} is {kind}, not a regular file; pass a text file")]
+    NotAFile {
+        path: PathBuf,
+        what: &'static str,
+        kind: &'static str,
+    },
     #[error("{path}: tensor `{tensor}`: {msg}")]
     Tensor {
         path: PathBuf,

@@ -406,13 +406,14 @@ fn block_layout(ggml_type: u32) -> Option<(u64, u64)> {
 impl GgufFile {
     /// Open and check a GGUF file through a read-only memory map.
     pub fn open(path: &Path) -> Result<GgufFile, CaptureError> {
-        let file = std::fs::File::open(path).map_err(|e| CaptureError::io(path, e))?;
-        if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
+        // Checked before opening: opening a FIFO blocks until a writer comes.
+        if let Some(kind) = crate::files::non_regular(path)? {
             return Err(CaptureError::NotGguf {
                 path: path.into(),
-                why: "it is a directory".into(),
+                why: format!("it is {kind}, not a regular file"),
             });
         }
+        let file = std::fs::File::open(path).map_err(|e| CaptureError::io(path, e))?;
         // SAFETY: model files are read-only inputs; we never write through the map.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| CaptureError::io(path, e))?;
         GgufFile::from_data(path, Data::Mapped(mmap))

@@ -8,6 +8,7 @@
 
 mod capture;
 mod error;
+mod files;
 pub mod gguf;
 pub mod llama;
 pub mod resume;
@@ -18,6 +19,7 @@ pub mod tokenizer;
 
 pub use capture::{capture, CaptureOptions, CaptureSummary, Phase, Progress, MAX_ATTN_PROBS_LEN};
 pub use error::CaptureError;
+pub use files::read_text_file;
 
 use std::path::Path;
 

@@ -347,11 +347,19 @@ impl Llama {
         let (c, dm, hd) = (tokens.len(), cfg.d_model, cfg.head_dim);
         let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
         let group = nh / nkv;
-        let n = pos0 + c;
-        assert!(
-            c > 0 && n <= cache.capacity,
-            "forward: positions exceed the cache"
-        );
+        let n = match pos0.checked_add(c) {
+            Some(n) if c > 0 && n <= cache.capacity => n,
+            _ => {
+                return Err(KernelError::Shape {
+                    op: "forward",
+                    msg: format!(
+                        "positions {pos0}..{} do not fit the KV cache (capacity {} positions)",
+                        pos0.saturating_add(c),
+                        cache.capacity
+                    ),
+                })
+            }
+        };
         // x: (c, d_model) residual stream
         let mut x = vec![0f32; c * dm];
         be.embedding(&self.embed, dm, tokens, &mut x)?;

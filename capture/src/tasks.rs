@@ -130,9 +130,19 @@ impl TaskSpec {
 
 /// Parse `name:key=value,...` task specs and build the prompt.
 pub fn build(spec: &str, model: &Model) -> Result<TaskPrompt, CaptureError> {
-    match TaskSpec::parse(spec)? {
+    let task = TaskSpec::parse(spec)?;
+    let context = model.llama.cfg.context_length;
+    if let TaskSpec::Passkey { length, .. } | TaskSpec::Multifact { length, .. } = task {
+        if length > context {
+            // also keeps the filler loop finite: length=100000000000 ran unbounded
+            return Err(CaptureError::InvalidOption(format!(
+                "--task {spec}: length={length} is more than the model's context of {context} tokens (and the prompt must fit it); use length={context} or less"
+            )));
+        }
+    }
+    match task {
         TaskSpec::File(path) => {
-            let text = std::fs::read_to_string(&path).map_err(|e| CaptureError::io(&path, e))?;
+            let text = crate::read_text_file(std::path::Path::new(&path), "prompt file")?;
             Ok(TaskPrompt {
                 text,
                 spans: vec![],

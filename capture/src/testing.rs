@@ -97,7 +97,12 @@ pub struct Tweak {
     pub pre: &'static str,
     /// Write an explicit output.weight (equal to the dequantised embedding).
     pub untied: bool,
+    /// `tokenizer.chat_template`.
+    pub chat_template: &'static str,
 }
+
+/// The ChatML template the tiny models carry unless a test asks for another.
+pub const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
 pub const PLAIN: Tweak = Tweak {
     arch: "llama",
@@ -105,6 +110,7 @@ pub const PLAIN: Tweak = Tweak {
     context: 64,
     pre: "smollm",
     untied: false,
+    chat_template: CHATML,
 };
 
 pub fn tiny_gguf(dir: &Path, tweak: &Tweak) -> PathBuf {
@@ -128,20 +134,44 @@ pub fn tiny_gguf_bytes(
         ("general.architecture".into(), MetaValue::Str(a.into())),
         ("general.name".into(), MetaValue::Str("tiny".into())),
         (format!("{a}.block_count"), MetaValue::Uint(LAYERS as u64)),
-        (format!("{a}.context_length"), MetaValue::Uint(tweak.context)),
+        (
+            format!("{a}.context_length"),
+            MetaValue::Uint(tweak.context),
+        ),
         (format!("{a}.embedding_length"), MetaValue::Uint(D_MODEL)),
         (format!("{a}.feed_forward_length"), MetaValue::Uint(FFN)),
         (format!("{a}.attention.head_count"), MetaValue::Uint(HEADS)),
-        (format!("{a}.attention.head_count_kv"), MetaValue::Uint(KV_HEADS)),
+        (
+            format!("{a}.attention.head_count_kv"),
+            MetaValue::Uint(KV_HEADS),
+        ),
         (format!("{a}.rope.freq_base"), MetaValue::Float(10000.0)),
-        (format!("{a}.attention.layer_norm_rms_epsilon"), MetaValue::Float(1e-5)),
+        (
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            MetaValue::Float(1e-5),
+        ),
         ("tokenizer.ggml.model".into(), MetaValue::Str("gpt2".into())),
-        ("tokenizer.ggml.pre".into(), MetaValue::Str(tweak.pre.into())),
-        ("tokenizer.ggml.tokens".into(), MetaValue::Array(MetaArray::Str(tokens.iter().collect()))),
-        ("tokenizer.ggml.token_type".into(), MetaValue::Array(MetaArray::I32(types.iter().map(|&t| t as i32).collect()))),
-        ("tokenizer.ggml.merges".into(), MetaValue::Array(MetaArray::Str(MERGES.iter().collect()))),
+        (
+            "tokenizer.ggml.pre".into(),
+            MetaValue::Str(tweak.pre.into()),
+        ),
+        (
+            "tokenizer.ggml.tokens".into(),
+            MetaValue::Array(MetaArray::Str(tokens.iter().collect())),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            MetaValue::Array(MetaArray::I32(types.iter().map(|&t| t as i32).collect())),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            MetaValue::Array(MetaArray::Str(MERGES.iter().collect())),
+        ),
         ("tokenizer.ggml.eos_token_id".into(), MetaValue::Uint(2)),
-        ("tokenizer.chat_template".into(), MetaValue::Str("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}".into())),
+        (
+            "tokenizer.chat_template".into(),
+            MetaValue::Str(tweak.chat_template.into()),
+        ),
     ];
     let (d, q, kv, f) = (D_MODEL, HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, FFN);
     let embd = q8_0_tensor("token_embd.weight", &[d, v], 1, 1.0);
@@ -184,4 +214,52 @@ pub fn tiny_gguf_bytes(
     let meta_refs: Vec<(&str, MetaValue)> =
         meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
     gguf_bytes(&meta_refs, &t)
+}
+
+/// A size-limited tmpfs mounted on an (empty) folder for as long as the
+/// guard lives (unmounted on drop, also when the test fails), so tests can
+/// fill a disk. Mounting needs root; `mount` returns `Err(why)` where it
+/// cannot, and the caller says why its test did not run. Declare the guard
+/// after the folder's owner so that it drops (unmounts) first.
+pub struct TmpfsMount {
+    dir: PathBuf,
+}
+
+impl TmpfsMount {
+    pub fn mount(dir: &Path, size: &str) -> Result<TmpfsMount, String> {
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .map_err(|e| format!("cannot run mount: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "mount -t tmpfs failed (root is needed): {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(TmpfsMount { dir: dir.into() })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for TmpfsMount {
+    fn drop(&mut self) {
+        let umount = |lazy: bool| {
+            let mut c = std::process::Command::new("umount");
+            if lazy {
+                c.arg("-l");
+            }
+            c.arg(&self.dir)
+                .status()
+                .map(|s| s.success())
+                .unwrap_or(false)
+        };
+        if !umount(false) && !umount(true) {
+            eprintln!("could not unmount {}", self.dir.display());
+        }
+    }
 }

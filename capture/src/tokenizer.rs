@@ -31,7 +31,14 @@ pub struct Tokenizer {
     pub eos: Option<u32>,
     tokens: Vec<String>,
     chat_template: Option<String>,
+    /// The model file, named in chat template errors.
+    source: std::path::PathBuf,
 }
+
+/// Instructions a chat template may run for one message (minijinja fuel).
+/// SmolLM2-135M-Instruct's template takes 39; nested loops of 100,000
+/// steps each would run for hours.
+pub const CHAT_TEMPLATE_FUEL: u64 = 1_000_000;
 
 impl Tokenizer {
     pub fn from_gguf(g: &GgufFile) -> Result<Tokenizer, CaptureError> {
@@ -147,6 +154,7 @@ impl Tokenizer {
             bos: id("tokenizer.ggml.bos_token_id"),
             eos: id("tokenizer.ggml.eos_token_id"),
             tokens,
+            source: g.path.clone(),
             chat_template: g
                 .get("tokenizer.chat_template")
                 .and_then(|v| v.as_str())
@@ -209,7 +217,19 @@ impl Tokenizer {
                 ))
             },
         );
-        let err = |e: minijinja::Error| CaptureError::Tokenizer(format!("chat template: {e}"));
+        env.set_fuel(Some(CHAT_TEMPLATE_FUEL));
+        let err = |e: minijinja::Error| {
+            match e.kind() {
+            minijinja::ErrorKind::OutOfFuel => CaptureError::Metadata {
+                path: self.source.clone(),
+                key: "tokenizer.chat_template".into(),
+                problem: format!(
+                    "a template that did not finish within {CHAT_TEMPLATE_FUEL} steps (loops without a sane bound); capture without --chat, or fix the template in the model file"
+                ),
+            },
+            _ => CaptureError::Tokenizer(format!("chat template: {e}")),
+        }
+        };
         env.add_template("chat", tmpl).map_err(err)?;
         let token_text = |id: Option<u32>| {
             id.and_then(|i| self.tokens.get(i as usize))

@@ -9,6 +9,11 @@ fn load(dir: &Path) -> Model {
     Model::load(&tiny_gguf(dir, &PLAIN)).unwrap()
 }
 
+/// A tiny model whose context fits the long task prompts (lengths are bounded by it).
+fn load_with_context(dir: &Path, context: u64) -> Model {
+    Model::load(&tiny_gguf(dir, &Tweak { context, ..PLAIN })).unwrap()
+}
+
 fn opts(out: &Path) -> CaptureOptions {
     let mut o = CaptureOptions::new("the cat saw the 42 dogs<|im_end|>", out);
     o.n_decode = 5;
@@ -325,7 +330,7 @@ fn task_lengths_that_cannot_hold_the_task_are_refused() {
     // passkey:length=40 once dropped its pass key and span silently, and
     // multifact:length=1,facts=1 panicked
     let tmp = tempfile::tempdir().unwrap();
-    let m = load(tmp.path());
+    let m = load_with_context(tmp.path(), 4096);
     for spec in ["passkey:length=40,depth=0.5", "multifact:length=1,facts=1"] {
         let e = match kvreplay_capture::tasks::build(spec, &m) {
             Ok(_) => panic!("{spec} was accepted"),
@@ -361,7 +366,7 @@ fn absurd_task_lengths_are_refused_before_building_filler() {
 fn a_pass_key_at_depth_one_keeps_its_needle() {
     // depth 1 puts the needle after the last filler sentence, not nowhere
     let tmp = tempfile::tempdir().unwrap();
-    let m = load(tmp.path());
+    let m = load_with_context(tmp.path(), 4096);
     let t = kvreplay_capture::tasks::build("passkey:length=2000,depth=1", &m).unwrap();
     let needle = t
         .spans

@@ -81,8 +81,7 @@ pub(super) fn cmd_capture(a: CaptureArgs) -> Result<()> {
         (Some(p), _) => (p, "text".to_string()),
         (None, None) if a.task.is_some() => (String::new(), String::new()),
         (None, Some(f)) => {
-            let text = std::fs::read_to_string(&f)
-                .with_context(|| format!("reading prompt file {}", f.display()))?;
+            let text = kvreplay_capture::read_text_file(&f, "prompt file")?;
             let name = f
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())

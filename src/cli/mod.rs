@@ -37,7 +37,7 @@ use verify::cmd_verify;
     about = "Record an LLM's attention inputs once; replay KV-cache compression policies on them in seconds."
 )]
 struct Cli {
-    /// Worker threads (default: all cores). Results do not depend on it.
+    /// Worker threads (default: all cores; at most 256, or the CPU count where larger). Results do not depend on it.
     #[arg(long, global = true)]
     threads: Option<usize>,
     #[command(subcommand)]
@@ -86,11 +86,27 @@ enum Cmd {
     Bench(BenchCmd),
 }
 
+/// Most worker threads `--threads` gets: 256, or the CPUs available where
+/// there are more. Results do not depend on the count, and a pool of 100,000
+/// threads took minutes to start.
+fn max_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .max(256)
+}
+
 pub fn run() -> Result<()> {
     let cli = Cli::parse();
-    if let Some(n) = cli.threads {
-        if n == 0 {
+    if let Some(asked) = cli.threads {
+        if asked == 0 {
             bail!("--threads must be at least 1");
+        }
+        let cap = max_threads();
+        let n = asked.min(cap);
+        if n < asked {
+            eprintln!(
+                "warning: --threads {asked} is more than kvreplay can use; using {cap} (the larger of 256 and the CPUs available)"
+            );
         }
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)

@@ -58,6 +58,28 @@ pub enum TraceError {
     },
     #[error("{path}: {msg}")]
     Output { path: PathBuf, msg: String },
+    /// The disk holding the output cannot take what is still to be written.
+    #[error("{path}: not enough disk space: the trace needs {needed} bytes ({}) but its filesystem has {free} bytes free ({}); free some space or choose another --out on a larger disk", human_bytes(*needed), human_bytes(*free))]
+    NoSpace {
+        path: PathBuf,
+        needed: u64,
+        free: u64,
+    },
+}
+
+/// `12.3 MB`-style size for messages (powers of 1000, one decimal).
+pub(crate) fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["kB", "MB", "GB", "TB", "PB"];
+    if n < 1000 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1000.0;
+    let mut u = 0;
+    while v >= 1000.0 && u + 1 < UNITS.len() {
+        v /= 1000.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
 }
 
 impl TraceError {

@@ -5,11 +5,17 @@
 //! bounded whatever the trace size. Everything is written into
 //! `OUT.partial/`; only `finish` (after checksums and the manifest) renames it
 //! to `OUT`, so an interrupted capture never leaves a trace that looks complete.
+//!
+//! The blocks of every layer file are reserved on disk (`fallocate`, or
+//! zeros written where the filesystem has no `fallocate`) before the file is
+//! mapped: a store into an unbacked page of a memory-mapped file on a full
+//! disk is a SIGBUS that kills the process, while a failed reservation is a
+//! [`TraceError::NoSpace`] naming the bytes needed and free.
 
 use half::slice::HalfFloatSliceExt;
 use memmap2::MmapMut;
 use std::collections::BTreeMap;
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 
 use crate::{layer_file_name, Dtype, FileEntry, Manifest, TraceError};
@@ -125,6 +131,72 @@ pub struct LayerWriter {
     ranges: BTreeMap<&'static str, (usize, usize)>,
 }
 
+/// Bytes of a layer file: header plus data.
+fn layer_file_len(layout: &TraceLayout, layer: usize) -> u64 {
+    let (header, ranges) = layer_header(layout, layer);
+    (header.len() + ranges.values().map(|r| r.1).max().unwrap_or(0)) as u64
+}
+
+/// Bytes an unprivileged process may still write on the filesystem holding
+/// `path` (statvfs: available blocks times fragment size), when known.
+fn free_bytes(path: &Path) -> Option<u64> {
+    #[cfg(unix)]
+    {
+        rustix::fs::statvfs(path)
+            .ok()
+            .map(|s| s.f_bavail.saturating_mul(s.f_frsize))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        None
+    }
+}
+
+/// The error for a failed write of `needed` bytes to `path`: a disk that is
+/// full becomes [`TraceError::NoSpace`] with the bytes free.
+fn write_error(path: &Path, needed: u64, err: std::io::Error) -> TraceError {
+    if err.kind() == std::io::ErrorKind::StorageFull {
+        TraceError::NoSpace {
+            path: path.into(),
+            needed,
+            free: free_bytes(path.parent().unwrap_or(path)).unwrap_or(0),
+        }
+    } else {
+        TraceError::io(path, err)
+    }
+}
+
+/// Give the new, empty `file` `len` bytes of allocated disk blocks (not a
+/// sparse hole), so that writing through its memory map cannot run out of
+/// space. `fallocate` where the filesystem has it, else zeros written.
+fn reserve(file: &File, path: &Path, len: u64) -> Result<(), TraceError> {
+    #[cfg(unix)]
+    {
+        use rustix::fs::{fallocate, FallocateFlags};
+        use rustix::io::Errno;
+        match fallocate(file, FallocateFlags::empty(), 0, len) {
+            Ok(()) => return Ok(()),
+            // no fallocate on this filesystem: write the zeros ourselves
+            Err(Errno::OPNOTSUPP | Errno::NOSYS) => {}
+            Err(e) => return Err(write_error(path, len, e.into())),
+        }
+    }
+    write_zeros(file, len).map_err(|e| write_error(path, len, e))
+}
+
+fn write_zeros(mut file: &File, len: u64) -> std::io::Result<()> {
+    use std::io::Write;
+    let zeros = vec![0u8; 1 << 20];
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(zeros.len() as u64) as usize;
+        file.write_all(&zeros[..n])?;
+        left -= n as u64;
+    }
+    file.sync_data()
+}
+
 impl LayerWriter {
     fn create(path: PathBuf, layout: TraceLayout, layer: usize) -> Result<Self, TraceError> {
         let (header, ranges) = layer_header(&layout, layer);
@@ -136,10 +208,11 @@ impl LayerWriter {
             .create_new(true)
             .open(&path)
             .map_err(|e| TraceError::io(&path, e))?;
-        file.set_len(total as u64)
-            .map_err(|e| TraceError::io(&path, e))?;
+        reserve(&file, &path, total as u64)?;
         // SAFETY: the file was just created by us (create_new) inside our own
-        // partial directory; nothing else maps or truncates it while we hold it.
+        // partial directory; nothing else maps or truncates it while we hold
+        // it, and its blocks are allocated (`reserve`), so stores into the
+        // map cannot fault for want of disk space.
         let mut mmap = unsafe { MmapMut::map_mut(&file) }.map_err(|e| TraceError::io(&path, e))?;
         mmap[..header.len()].copy_from_slice(&header);
         Ok(LayerWriter {
@@ -276,6 +349,19 @@ impl TraceWriter {
             std::fs::remove_dir_all(&partial).map_err(|e| TraceError::io(&partial, e))?;
         }
         std::fs::create_dir(&partial).map_err(|e| TraceError::io(&partial, e))?;
+        // Refuse at once a trace the disk cannot hold (a previous trace at
+        // `out` stays until the new one is complete, so it does not count).
+        let needed: u64 = (0..layout.n_layers)
+            .map(|l| layer_file_len(&layout, l))
+            .sum();
+        if let Some(free) = free_bytes(&partial).filter(|&free| free < needed) {
+            let _ = std::fs::remove_dir(&partial);
+            return Err(TraceError::NoSpace {
+                path: partial,
+                needed,
+                free,
+            });
+        }
         let mut w = TraceWriter {
             out: out.to_path_buf(),
             partial,
@@ -312,15 +398,59 @@ impl TraceWriter {
             msg,
         })?;
         let mpath = self.partial.join("manifest.json");
-        let text = serde_json::to_string_pretty(&manifest).expect("manifest serialises");
-        std::fs::write(&mpath, text + "\n").map_err(|e| TraceError::io(&mpath, e))?;
-        if self.out.exists() && self.force {
-            std::fs::remove_dir_all(&self.out).map_err(|e| TraceError::io(&self.out, e))?;
+        let text = serde_json::to_string_pretty(&manifest).expect("manifest serialises") + "\n";
+        // Inside OUT.partial/, so it appears at OUT only with the whole trace.
+        std::fs::write(&mpath, &text).map_err(|e| write_error(&mpath, text.len() as u64, e))?;
+        if self.out.exists() {
+            if !self.force {
+                return Err(TraceError::Output {
+                    path: self.out.clone(),
+                    msg: "appeared while the trace was captured; the new trace was not moved there: pass --force to overwrite it or choose another --out".into(),
+                });
+            }
+            replace(&self.partial, &self.out)?;
+        } else {
+            std::fs::rename(&self.partial, &self.out).map_err(|e| TraceError::io(&self.out, e))?;
         }
-        std::fs::rename(&self.partial, &self.out).map_err(|e| TraceError::io(&self.out, e))?;
         self.finished = true;
         Ok(self.out.clone())
     }
+}
+
+/// Put the finished trace `partial` at `out`, which holds the previous one,
+/// so that `out` is at every moment the old or the new complete trace: on
+/// Linux both folders swap in one step (renameat2 RENAME_EXCHANGE) and the
+/// old trace, now at `partial`, is removed; elsewhere (or on a filesystem
+/// that cannot swap) the old trace is moved aside to `OUT.replaced`, put
+/// back if the new one cannot take its place, and removed after.
+fn replace(partial: &Path, out: &Path) -> Result<(), TraceError> {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        use rustix::fs::{renameat_with, RenameFlags, CWD};
+        use rustix::io::Errno;
+        match renameat_with(CWD, partial, CWD, out, RenameFlags::EXCHANGE) {
+            Ok(()) => {
+                // the old trace; a leftover is removed by the next capture
+                let _ = std::fs::remove_dir_all(partial);
+                return Ok(());
+            }
+            Err(Errno::INVAL | Errno::NOSYS | Errno::OPNOTSUPP) => {}
+            Err(e) => return Err(TraceError::io(out, e.into())),
+        }
+    }
+    let mut aside = out.as_os_str().to_os_string();
+    aside.push(".replaced");
+    let aside = PathBuf::from(aside);
+    if aside.exists() {
+        std::fs::remove_dir_all(&aside).map_err(|e| TraceError::io(&aside, e))?;
+    }
+    std::fs::rename(out, &aside).map_err(|e| TraceError::io(out, e))?;
+    if let Err(e) = std::fs::rename(partial, out) {
+        let _ = std::fs::rename(&aside, out);
+        return Err(TraceError::io(out, e));
+    }
+    let _ = std::fs::remove_dir_all(&aside);
+    Ok(())
 }
 
 impl Drop for TraceWriter {
