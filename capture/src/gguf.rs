@@ -675,7 +675,12 @@ impl GgufFile {
             .n_elements()
             .and_then(|n| usize::try_from(n).ok())
             .ok_or_else(|| bad("has more elements than this machine can address".into()))?;
-        let data = &self.data[range];
+        let data = self.data.get(range.clone()).ok_or_else(|| {
+            bad(format!(
+                "data {range:?} lies past the end of the file ({} bytes); the file is truncated",
+                self.data.len()
+            ))
+        })?;
         let mut out = vec![0f32; n];
         dequantize(ty, data, &mut out).map_err(|e| bad(e.to_string()))?;
         Ok(out)
@@ -701,6 +706,14 @@ fn tensor_extents(
         tensor: t.name.clone(),
         msg,
     };
+    if !tensors.is_empty() && data_start > file_len {
+        return Err(CaptureError::GgufCorrupt {
+            path: path.into(),
+            msg: format!(
+                "the file ends at byte {file_len}, before its tensor data starts at byte {data_start}; the file is truncated"
+            ),
+        });
+    }
     let data_len = file_len.saturating_sub(data_start);
     // (offset, size) relative to the data start, per tensor.
     let mut sized: Vec<Option<(u64, u64)>> = Vec::with_capacity(tensors.len());
@@ -1034,6 +1047,24 @@ mod tests {
             e.contains("tensor `w`") && e.contains("past the end") && e.contains("truncated"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_file_that_ends_before_its_tensor_data_starts_is_refused() {
+        // found by cargo-fuzz: an empty tensor at offset 0 of a file cut
+        // inside the padding before the data section was sliced past the end
+        let mut b = raw(&[], &[("empty", &[0], 0, 0)], 0);
+        b.truncate(b.len() - 1);
+        let e = err(b.clone());
+        assert!(
+            e.contains("bad.gguf")
+                && e.contains("before its tensor data starts")
+                && e.contains("truncated"),
+            "{e}"
+        );
+        b.push(0);
+        let g = GgufFile::parse("ok.gguf", b).unwrap();
+        assert_eq!(g.tensor_f32("empty", &[0]).unwrap(), Vec::<f32>::new());
     }
 
     #[test]
