@@ -1,11 +1,15 @@
 //! The estimated cost of a sweep's points, and how `--shard i/n` splits a
 //! plan into shards of about equal cost.
 //!
-//! A point costs `work × factor`: `work` is the trace's size (layers × query
-//! heads × tokens × head_dim / 64) and `factor` the policy's relative cost,
-//! calibrated on a real SmolLM2 trace (BENCHMARKS.md, "Sharding"). A trace also
-//! costs its budget-independent work (reading and checking its files, its f32
-//! layers, the full-cache reference) once per shard that runs any of its points.
+//! Costs are in units of about one nanosecond of one core. A point costs
+//! `layers × query heads × head_dim/64 × (per_token × tokens + fixed)`, with
+//! the two numbers per policy measured with `kvreplay --threads 1 sweep` on
+//! SmolLM2 traces of 1,040 and 2,064 tokens, budgets 32-1,024 (BENCHMARKS.md,
+//! "Sharding"): most policies' points cost about the same at any length
+//! (their work follows the budget), `full`, D2O and EMS grow with it. A trace
+//! also costs its budget-independent work (opening and checking its files,
+//! its f32 layers, the full-cache reference), once per shard that runs any of
+//! its points.
 //!
 //! The split is a pure function of the plan (trace shapes, policies, budgets;
 //! never paths, clocks or thread counts), in integers, so every shard of an
@@ -31,11 +35,14 @@ pub struct TraceShape {
 }
 
 impl TraceShape {
-    /// The size the cost model scales with: layers × query heads × tokens ×
-    /// head_dim / 64 (at least 1).
-    pub fn work(&self) -> u64 {
-        let w = self.n_layers as u64 * self.n_heads as u64 * self.total_len as u64;
-        (w * self.head_dim as u64 / 64).max(1)
+    /// Layers × query heads × head_dim / 64 (at least 1): what every cost scales with.
+    fn heads(&self) -> u64 {
+        (self.n_layers as u64 * self.n_heads as u64 * self.head_dim as u64 / 64).max(1)
+    }
+
+    /// `heads × (per_token × tokens + fixed)`.
+    fn cost(&self, c: Cost) -> u64 {
+        self.heads() * (c.per_token * self.total_len as u64 + c.fixed)
     }
 
     /// Bytes of the trace's layers as f32 (q, o per query head; k, v per KV
@@ -46,77 +53,95 @@ impl TraceShape {
     }
 }
 
-/// Relative cost of one point of each registered policy, in thousandths of a
-/// `full` point's cost, measured with `kvreplay sweep` on a SmolLM2 trace
-/// (BENCHMARKS.md, "Sharding"); a policy not listed costs as much as `snapkv`.
-const POLICY_MILLI: &[(&str, u64)] = &[
-    ("full", 1000),
-    ("random", 1000),
-    ("streaming_llm", 1000),
-    ("h2o", 1000),
-    ("snapkv", 1000),
-    ("pyramidkv", 1000),
-    ("adakv", 1000),
-    ("tova", 1000),
-    ("knorm", 1000),
-    ("scissorhands", 1000),
-    ("cam", 1000),
-    ("ems", 1000),
-    ("d2o", 1000),
-    ("kvmerger", 1000),
-    ("ahakv", 1000),
-    ("minicache", 1000),
-];
-
-/// What a wrapper adds to the policy it wraps (thousandths of a `full` point).
-const WRAPPER_MILLI: &[(&str, u64)] = &[("quant", 1000)];
-
-/// A trace's budget-independent work, done once per shard that runs any of
-/// its points, in thousandths of a `full` point on it.
-const SETUP_MILLI: u64 = 1000;
-
-fn policy_milli(name: &str) -> u64 {
-    POLICY_MILLI
-        .iter()
-        .chain(WRAPPER_MILLI)
-        .find(|(n, _)| *n == name)
-        .map_or_else(|| policy_milli("snapkv"), |(_, m)| *m)
+/// A cost per head: a part per token of the trace and a fixed part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Cost {
+    per_token: u64,
+    fixed: u64,
 }
 
-/// The relative cost factor of a policy spec (`snapkv:w=16+quant:bits=2`,
-/// `adakv:scorer=h2o,...`), in thousandths: the policy's own factor, plus a
-/// scorer wrapper's scorer beyond `full`'s, plus each wrapper's.
-pub fn spec_milli(spec: &str) -> u64 {
-    let mut total = 0;
+const fn c(per_token: u64, fixed: u64) -> Cost {
+    Cost { per_token, fixed }
+}
+
+/// Each registered policy's point cost per head (see the module comment;
+/// measured one thread, averaged over budgets 32-1,024). A policy not listed
+/// costs as much as `snapkv`.
+const POLICY: &[(&str, Cost)] = &[
+    ("full", c(540, 0)),
+    ("random", c(0, 263_000)),
+    ("streaming_llm", c(0, 296_000)),
+    ("h2o", c(0, 244_000)),
+    ("snapkv", c(0, 370_000)),
+    ("pyramidkv", c(0, 270_000)),
+    ("adakv", c(0, 433_000)),
+    ("tova", c(0, 274_000)),
+    ("knorm", c(0, 256_000)),
+    ("scissorhands", c(242, 359_000)),
+    ("cam", c(108, 210_000)),
+    ("ahakv", c(325, 610_000)),
+    ("kvmerger", c(90, 310_000)),
+    ("d2o", c(2_900, 0)),
+    ("minicache", c(700, 0)),
+    ("ems", c(7_500, 0)),
+];
+
+/// What a wrapper adds to the policy it wraps, per head.
+const WRAPPER: &[(&str, Cost)] = &[("quant", c(0, 93_000))];
+
+/// A trace's budget-independent work per head, once per shard that runs any of its points.
+const SETUP: Cost = c(723, 544_000);
+
+fn policy_cost(name: &str) -> Cost {
+    POLICY
+        .iter()
+        .chain(WRAPPER)
+        .find(|(n, _)| *n == name)
+        .map_or_else(|| policy_cost("snapkv"), |(_, c)| *c)
+}
+
+/// The per-head cost of a policy spec (`snapkv:w=16+quant:bits=2`,
+/// `adakv:scorer=h2o,...`): the policy's own, plus what a scorer wrapper's
+/// scorer costs beyond `snapkv`, plus each wrapper's.
+fn spec_cost(spec: &str) -> Cost {
+    let mut total = c(0, 0);
+    let mut add = |x: Cost| {
+        total.per_token += x.per_token;
+        total.fixed += x.fixed;
+    };
     for (i, part) in spec.split('+').enumerate() {
         let (name, params) = part.split_once(':').unwrap_or((part, ""));
         let name = name.trim();
-        total += if i == 0 {
-            policy_milli(name)
+        add(if i == 0 {
+            policy_cost(name)
         } else {
-            WRAPPER_MILLI
+            WRAPPER
                 .iter()
                 .find(|(n, _)| *n == name)
-                .map_or(1000, |(_, m)| *m)
-        };
-        let scorer = params
+                .map_or(policy_cost("quant"), |(_, c)| *c)
+        });
+        if let Some(s) = params
             .split(',')
-            .find_map(|kv| kv.trim().strip_prefix("scorer="));
-        if let Some(s) = scorer {
-            total += policy_milli(s.trim()).saturating_sub(policy_milli("full"));
+            .find_map(|kv| kv.trim().strip_prefix("scorer="))
+        {
+            let (x, base) = (policy_cost(s.trim()), policy_cost("snapkv"));
+            add(c(
+                x.per_token.saturating_sub(base.per_token),
+                x.fixed.saturating_sub(base.fixed),
+            ));
         }
     }
-    total.max(1)
+    total
 }
 
 /// Estimated cost of one point of `spec` on a trace of `shape`.
 pub fn point_cost(shape: &TraceShape, spec: &str) -> u64 {
-    (shape.work() * spec_milli(spec) / 1000).max(1)
+    shape.cost(spec_cost(spec)).max(1)
 }
 
 /// Estimated budget-independent cost of a trace, paid once per shard.
 pub fn setup_cost(shape: &TraceShape) -> u64 {
-    (shape.work() * SETUP_MILLI / 1000).max(1)
+    shape.cost(SETUP).max(1)
 }
 
 /// Which shard runs each point of a plan, and each shard's estimated cost.
@@ -269,18 +294,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn spec_factors_add_scorers_and_wrappers() {
-        let f = spec_milli("full");
-        assert_eq!(f, 1000);
+    fn spec_costs_add_scorers_and_wrappers() {
+        let shape = TraceShape {
+            n_layers: 2,
+            n_heads: 3,
+            n_kv_heads: 1,
+            head_dim: 128,
+            prompt_len: 90,
+            total_len: 100,
+        };
+        // 2 × 3 × 128/64 = 12 heads' worth
+        assert_eq!(point_cost(&shape, "full"), 12 * 540 * 100);
+        assert_eq!(point_cost(&shape, "h2o:recent=8"), 12 * 244_000);
         assert_eq!(
-            spec_milli("snapkv:w=16+quant:bits=2"),
-            policy_milli("snapkv") + policy_milli("quant")
+            point_cost(&shape, "snapkv:w=16+quant:bits=2"),
+            12 * (370_000 + 93_000)
         );
+        // adakv with the AhaKV scorer: adakv's own plus what AhaKV costs
+        // beyond snapkv
         assert_eq!(
-            spec_milli("adakv:scorer=ems,alpha=0.2"),
-            policy_milli("adakv") + policy_milli("ems") - 1000
+            point_cost(&shape, "adakv:scorer=ahakv,alpha=0.2"),
+            12 * (433_000 + 325 * 100 + 610_000 - 370_000)
         );
-        assert_eq!(spec_milli("nonesuch"), policy_milli("snapkv"));
+        assert_eq!(point_cost(&shape, "nonesuch"), point_cost(&shape, "snapkv"));
+        assert_eq!(setup_cost(&shape), 12 * (723 * 100 + 544_000));
+        assert_eq!(shape.f32_bytes(), 2 * 100 * (2 * 3 + 2) * 128 * 4);
     }
 
     #[test]

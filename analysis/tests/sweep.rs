@@ -650,8 +650,7 @@ fn shards_cover_every_point_once_balanced_and_grouped_by_trace() {
             a.loads
         );
         // a trace's points stay together where that balances: at most two
-        // extra (shard, trace) pairs per shard beyond one per trace (measured:
-        // 4, 4, 6, 5, 8, 11, 18, 8 for 1 to 8 shards)
+        // extra (shard, trace) pairs per shard beyond one per trace
         assert!(
             touched <= 4 + 2 * count,
             "{count} shards touch {touched} (shard, trace) pairs"

@@ -39,9 +39,9 @@ pub(super) struct SlurmArgs {
     submit: bool,
 }
 
-/// Seconds one core takes per unit of estimated cost (`kvreplay_analysis::cost`),
-/// measured with `kvreplay sweep` on SmolLM2 traces (BENCHMARKS.md, "Sharding").
-const SECONDS_PER_UNIT: f64 = 1.0e-6;
+/// Seconds one core takes per unit of estimated cost (`kvreplay_analysis::cost`
+/// is calibrated in nanoseconds of one core; BENCHMARKS.md, "Sharding").
+const SECONDS_PER_UNIT: f64 = 1.0e-9;
 
 fn abs(p: &Path) -> Result<PathBuf> {
     if p.is_absolute() {
