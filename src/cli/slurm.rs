@@ -182,7 +182,7 @@ pub(super) fn cmd_slurm(a: SlurmArgs) -> Result<()> {
     }
     println!(
         "{} points in {n} shards: estimated {:.0} s on one core for the heaviest \
-         (imbalance {:.2}: heaviest / mean); each task asks for {cpus} CPUs, {mem_mb} MiB, {time_min} min",
+         (imbalance {:.2}: heaviest / mean); each shard task asks for --cpus-per-task={cpus} --mem={mem_mb}M --time={time_min}",
         asg.shard_of.len(),
         core_s,
         asg.imbalance()
