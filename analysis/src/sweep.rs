@@ -9,7 +9,7 @@
 //! resumed, sharded (`--shard i/n`, shards of about equal estimated cost with
 //! each trace's points kept together where that balances: [`crate::cost`])
 //! and merged, or run in one go. A shard's folder records which shard it is
-//! in `shard.json`, so `merge` names the shards still missing.
+//! in `shard-I-of-N.json`, so `merge` names the shards still missing.
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -178,8 +178,10 @@ impl Plan {
             .collect()
     }
 
-    /// Memory a run of this plan needs, estimated: the largest trace's f32
-    /// layers twice (the layers and the budget-independent memo) plus 512 MiB.
+    /// Memory to ask for a run of this plan: twice the largest trace's f32
+    /// layers plus 512 MiB, a generous bound (a point on the default suite's
+    /// 4,112-token trace peaks at about 920 MB resident, BENCHMARKS.md; this
+    /// gives 2.0 GB for it).
     pub fn memory_estimate(&self) -> u64 {
         let largest = (0..self.traces.len())
             .map(|t| self.shape(t).f32_bytes())
