@@ -2,7 +2,11 @@
 # The test command: fetch the real model and the Python reference if needed,
 # then run every test of the workspace, optimised (the real-model tests run a
 # 135M-parameter model). Tests that need the model fail rather than skip here.
-# Ends with one summary line, "tests: N passed, M failed".
+# Then the real Slurm test (scripts/slurm-local.sh: a one-node cluster on this
+# machine), where it can run: root, Debian packages reachable, no test filter
+# given, KVREPLAY_SKIP_SLURM unset; it says why when it does not run.
+# Ends with one summary line, "tests: N passed, M failed" (the Slurm test
+# counts as one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh
@@ -21,6 +25,23 @@ set -e
 parity=$(cargo test --workspace --release --test parity -q -- --nocapture 2>&1 || true)
 why=$(grep -m1 "CUDA not run" <<<"$parity" | sed 's/^[a-z_]*: //' || true)
 echo "parity suite: ${why:-ran on the CPU and on CUDA}"
-awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
-     END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
+# The real Slurm test: a one-node cluster on this machine (scripts/slurm-local.sh).
+slurm_pass=0 slurm_fail=0
+if [ $# -gt 0 ]; then
+    echo "slurm-local: SKIPPED: a test filter was given ($*)"
+else
+    set +e
+    scripts/slurm-local.sh
+    slurm_status=$?
+    set -e
+    case $slurm_status in
+        0) slurm_pass=1 ;;
+        77) ;;
+        *) slurm_fail=1; echo "slurm-local: FAILED (exit status $slurm_status)" ;;
+    esac
+fi
+awk -v sp="$slurm_pass" -v sf="$slurm_fail" \
+    '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "tests: %d passed, %d failed\n", p + sp, f + sf }' "$log"
+if [ "$status" = 0 ] && [ "$slurm_fail" = 1 ]; then status=1; fi
 exit "$status"

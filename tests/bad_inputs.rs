@@ -149,3 +149,124 @@ fn merge_writes_the_report_a_single_run_writes() {
         );
     }
 }
+
+/// `kvreplay sweep --shard auto` in a given Slurm environment (none of the
+/// caller's SLURM_* variables leak in).
+fn sweep_auto(out: &Path, shard: &str, env: &[(&str, &str)]) -> std::process::Output {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_kvreplay"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("SLURM_") {
+            c.env_remove(k);
+        }
+    }
+    c.args([
+        "sweep",
+        "--traces",
+        tiny().to_str().unwrap(),
+        "--policy",
+        "h2o",
+        "streaming_llm",
+        "--budget",
+        "4,8",
+        "--shard",
+        shard,
+        "--out",
+        out.to_str().unwrap(),
+    ])
+    .envs(env.iter().copied())
+    .output()
+    .expect("kvreplay runs")
+}
+
+#[test]
+fn shard_auto_reads_the_slurm_array_and_says_which_shard_it_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("s");
+    let x = sweep_auto(&out, "auto", &[]);
+    assert!(!x.status.success());
+    assert!(
+        text(&x).contains("SLURM_ARRAY_TASK_ID is not set"),
+        "{}",
+        text(&x)
+    );
+    let array = [
+        ("SLURM_ARRAY_TASK_ID", "1"),
+        ("SLURM_ARRAY_TASK_COUNT", "2"),
+        ("SLURM_ARRAY_TASK_MIN", "0"),
+        ("SLURM_ARRAY_TASK_MAX", "1"),
+    ];
+    let x = sweep_auto(&out, "auto", &array);
+    assert!(x.status.success(), "{}", text(&x));
+    assert!(
+        text(&x)
+            .contains("running shard 1/2 (from SLURM_ARRAY_TASK_ID=1, SLURM_ARRAY_TASK_COUNT=2)"),
+        "{}",
+        text(&x)
+    );
+    let rec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("shard-1-of-2.json")).unwrap()).unwrap();
+    assert_eq!(rec["shard"]["index"], 1);
+    assert_eq!(rec["shard"]["count"], 2);
+    // a resubmission of shard 1 alone is an array of one task: its size is not
+    // the number of shards, so `auto` refuses and `auto/N` runs
+    let rerun = [
+        ("SLURM_ARRAY_TASK_ID", "1"),
+        ("SLURM_ARRAY_TASK_COUNT", "1"),
+        ("SLURM_ARRAY_TASK_MIN", "1"),
+        ("SLURM_ARRAY_TASK_MAX", "1"),
+    ];
+    let x = sweep_auto(&out, "auto", &rerun);
+    assert!(!x.status.success());
+    assert!(text(&x).contains("--shard auto/N"), "{}", text(&x));
+    let x = sweep_auto(&out, "auto/2", &rerun);
+    assert!(x.status.success(), "{}", text(&x));
+    assert!(text(&x).contains("running shard 1/2"), "{}", text(&x));
+    let x = sweep_auto(&out, "auto/1", &rerun);
+    assert!(!x.status.success());
+    assert!(
+        text(&x).contains("SLURM_ARRAY_TASK_ID=1 is not a shard of 1"),
+        "{}",
+        text(&x)
+    );
+}
+
+#[test]
+fn merge_names_the_missing_shard_and_how_to_rerun_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = |i: usize| tmp.path().join("shards").join(i.to_string());
+    let env = |i: &'static str| {
+        [
+            ("SLURM_ARRAY_TASK_ID", i),
+            ("SLURM_ARRAY_TASK_COUNT", "2"),
+            ("KVREPLAY_RESUBMIT", "/jobs/submit.sh"),
+        ]
+    };
+    let x = sweep_auto(&dir(0), "auto", &env("0"));
+    assert!(x.status.success(), "{}", text(&x));
+    let merged = tmp.path().join("merged");
+    let merge = || {
+        let mut a = vec!["merge".to_string()];
+        for i in 0..2 {
+            if dir(i).exists() {
+                a.push(dir(i).to_string_lossy().into_owned());
+            }
+        }
+        a.extend(["--out".into(), merged.to_string_lossy().into_owned()]);
+        kvreplay(&a.iter().map(|s| s.as_str()).collect::<Vec<_>>())
+    };
+    let x = merge();
+    assert!(!x.status.success(), "an incomplete merge fails");
+    let t = text(&x);
+    assert!(t.contains("shard 1/2: no folder of it was given"), "{t}");
+    assert!(t.contains("/jobs/submit.sh 1"), "{t}");
+    assert!(
+        t.contains(&format!("--shard 1/2 --out {}", dir(1).display())),
+        "{t}"
+    );
+    assert!(!merged.join("report.html").exists());
+    let x = sweep_auto(&dir(1), "auto", &env("1"));
+    assert!(x.status.success(), "{}", text(&x));
+    let x = merge();
+    assert!(x.status.success(), "{}", text(&x));
+    assert!(merged.join("report.html").exists());
+}

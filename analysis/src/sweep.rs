@@ -6,12 +6,15 @@
 //! interrupted sweep loses nothing it finished and a rerun of the same command
 //! does only the missing points. The CSVs are assembled from the point files
 //! in plan order, so they are byte-identical however the work was split:
-//! resumed, sharded (`--shard i/n`, point k belongs to shard k mod n) and
-//! merged, or run in one go.
+//! resumed, sharded (`--shard i/n`, shards of about equal estimated cost with
+//! each trace's points kept together where that balances: [`crate::cost`])
+//! and merged, or run in one go. A shard's folder records which shard it is
+//! in `shard-I-of-N.json`, so `merge` names the shards still missing.
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+use crate::cost::{self, Assignment, TraceShape};
 use kvreplay_kernels::Backend;
 use kvreplay_replay::{Budget, PolicySpec, ReplayError, TraceReplay};
 use kvreplay_traces::{Reads, Trace};
@@ -47,6 +50,9 @@ pub struct Plan {
     /// capture it was computed from, not to the folder's name.
     #[serde(default)]
     pub trace_ids: Vec<String>,
+    /// Each trace's shape, for the cost model that splits the plan into shards.
+    #[serde(default)]
+    pub shapes: Vec<TraceShape>,
 }
 
 /// One (trace, policy, budget) point of a plan.
@@ -79,10 +85,20 @@ impl Plan {
         specs.retain(|s| seen.insert(s.clone()));
         let mut names = std::collections::HashSet::new();
         let mut trace_ids = Vec::with_capacity(traces.len());
+        let mut shapes = Vec::with_capacity(traces.len());
         for t in traces {
             // files, headers and shapes now; checksums when a point reads them
             let tr = Trace::open_unverified(t).map_err(ReplayError::from)?;
             trace_ids.push(tr.content_id().to_string());
+            let m = &tr.manifest;
+            shapes.push(TraceShape {
+                n_layers: m.model.n_layers,
+                n_heads: m.model.n_heads,
+                n_kv_heads: m.model.n_kv_heads,
+                head_dim: m.model.head_dim,
+                prompt_len: m.prompt_len(),
+                total_len: m.tokens.ids.len(),
+            });
             if tr.manifest.generation.n_decode == 0 {
                 return Err(SweepError::Plan(format!(
                     "{}: has no decode tokens; capture it with --decode N",
@@ -107,7 +123,71 @@ impl Plan {
             policies: specs,
             budgets: b,
             trace_ids,
+            shapes,
         })
+    }
+
+    /// The shape of trace `t` for the cost model (a unit shape when the plan
+    /// predates recorded shapes).
+    fn shape(&self, t: usize) -> TraceShape {
+        self.shapes.get(t).copied().unwrap_or(TraceShape {
+            n_layers: 1,
+            n_heads: 1,
+            n_kv_heads: 1,
+            head_dim: 64,
+            prompt_len: 1,
+            total_len: 1,
+        })
+    }
+
+    /// Estimated cost of each point, in plan order ([`crate::cost`]).
+    pub fn point_costs(&self) -> Vec<u64> {
+        self.points()
+            .iter()
+            .map(|p| cost::point_cost(&self.shape(p.trace), &self.policies[p.policy]))
+            .collect()
+    }
+
+    /// Estimated budget-independent cost of each trace, paid once per shard.
+    pub fn setup_costs(&self) -> Vec<u64> {
+        (0..self.traces.len())
+            .map(|t| cost::setup_cost(&self.shape(t)))
+            .collect()
+    }
+
+    /// Which of `count` shards runs each point: balanced by estimated cost,
+    /// each trace's points together where that balances. Deterministic.
+    pub fn assignment(&self, count: usize) -> Assignment {
+        let points: Vec<(usize, u64)> = self
+            .points()
+            .iter()
+            .zip(self.point_costs())
+            .map(|(p, c)| (p.trace, c))
+            .collect();
+        cost::assign(&points, &self.setup_costs(), count)
+    }
+
+    /// The points of `shard`, in plan order.
+    pub fn shard_points(&self, shard: Shard) -> Vec<Point> {
+        let a = self.assignment(shard.count);
+        self.points()
+            .into_iter()
+            .zip(a.shard_of)
+            .filter(|(_, s)| *s == shard.index)
+            .map(|(p, _)| p)
+            .collect()
+    }
+
+    /// Memory to ask for a run of this plan: twice the largest trace's f32
+    /// layers plus 512 MiB, a generous bound (a point on the default suite's
+    /// 4,112-token trace peaks at about 920 MB resident, BENCHMARKS.md; this
+    /// gives 2.0 GB for it).
+    pub fn memory_estimate(&self) -> u64 {
+        let largest = (0..self.traces.len())
+            .map(|t| self.shape(t).f32_bytes())
+            .max()
+            .unwrap_or(0);
+        2 * largest + (512 << 20)
     }
 
     /// Whether `other` sweeps the same traces (compared as canonical paths,
@@ -278,8 +358,9 @@ fn non_finite(r: &PointResult) -> Option<String> {
         .map(|v| format!("a summary value is {v}"))
 }
 
-/// Which points this run does: point k belongs to shard k mod count.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which points this run does: shard `index` of `count`, as
+/// [`Plan::assignment`] splits the plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Shard {
     pub index: usize,
     pub count: usize,
@@ -325,6 +406,17 @@ pub struct Lock {
 
 /// Take the lock of `out` (or of its shard), refusing if another process holds it.
 pub fn lock(out: &Path, shard: Option<Shard>) -> Result<Lock, SweepError> {
+    lock_with(out, shard, None)
+}
+
+/// [`lock`]; with `wait`, a lock held by another process is waited for
+/// (`wait` is told who holds it) instead of refused: a duplicated or
+/// requeued shard task then finds the points done and does nothing.
+pub fn lock_with(
+    out: &Path,
+    shard: Option<Shard>,
+    wait: Option<&dyn Fn(&str)>,
+) -> Result<Lock, SweepError> {
     use std::io::Write;
     std::fs::create_dir_all(out).map_err(io(out))?;
     let name = match shard {
@@ -343,18 +435,78 @@ pub fn lock(out: &Path, shard: Option<Shard>) -> Result<Lock, SweepError> {
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => {
             let holder = std::fs::read_to_string(&path).unwrap_or_default();
-            return Err(SweepError::Plan(format!(
-                "{}: another kvreplay (pid {}) is writing this sweep{}; wait for it to finish or use another --out",
+            let msg = format!(
+                "{}: another kvreplay (pid {}) is writing this sweep{}",
                 out.display(),
-                holder.trim().parse::<u32>().map_or("unknown".into(), |p| p.to_string()),
+                holder
+                    .trim()
+                    .parse::<u32>()
+                    .map_or("unknown".into(), |p| p.to_string()),
                 shard.map_or(String::new(), |s| format!(" shard {}/{}", s.index, s.count)),
-            )));
+            );
+            match wait {
+                Some(tell) => {
+                    tell(&format!("{msg}; waiting for it to finish"));
+                    file.lock().map_err(io(&path))?;
+                }
+                None => {
+                    return Err(SweepError::Plan(format!(
+                        "{msg}; wait for it to finish or use another --out"
+                    )))
+                }
+            }
         }
         Err(std::fs::TryLockError::Error(e)) => return Err(io(&path)(e)),
     }
     file.set_len(0).map_err(io(&path))?;
     write!(file, "{}", std::process::id()).map_err(io(&path))?;
     Ok(Lock { _file: file })
+}
+
+/// What a shard's folder records about the shard that ran in it
+/// (`shard-I-of-N.json`), so `merge` can name missing shards and say how to
+/// rerun them.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct ShardRecord {
+    pub shard: Shard,
+    /// Points of the plan in this shard.
+    pub points: usize,
+    /// This shard's estimated cost, and the whole plan's (one setup per trace).
+    pub estimated_cost: u64,
+    pub plan_estimated_cost: u64,
+    /// The command that ran it, as given (for merge's rerun hint).
+    #[serde(default)]
+    pub command: Vec<String>,
+    /// A script that resubmits chosen shards and the merge (`kvreplay slurm`
+    /// writes one), to be called with the shard indices.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resubmit: Option<String>,
+}
+
+fn shard_record_name(s: Shard) -> String {
+    format!("shard-{}-of-{}.json", s.index, s.count)
+}
+
+/// The shard records in a folder (none for an unsharded run).
+pub fn read_shard_records(dir: &Path) -> Result<Vec<ShardRecord>, SweepError> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(dir).map_err(io(dir))? {
+        let e = e.map_err(io(dir))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("shard-") && name.ends_with(".json") {
+            let path = e.path();
+            let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+            let r: ShardRecord = serde_json::from_str(&text).map_err(|e| {
+                SweepError::Plan(format!(
+                    "{}: not a shard record ({e}); delete it and rerun that shard",
+                    path.display()
+                ))
+            })?;
+            v.push(r);
+        }
+    }
+    v.sort_by_key(|r| (r.shard.count, r.shard.index));
+    Ok(v)
 }
 
 /// Create `out` for `plan`, or check that it already holds the same sweep.
@@ -546,15 +698,62 @@ pub fn run_with(
     reads: Reads,
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<RunReport, SweepError> {
-    let _lock = lock(out, shard)?;
+    run_opts(
+        plan,
+        out,
+        &RunOptions {
+            shard,
+            backend,
+            reads,
+            wait: None,
+            command: Vec::new(),
+            resubmit: None,
+        },
+        progress,
+    )
+}
+
+/// How [`run_opts`] runs a plan.
+pub struct RunOptions<'a> {
+    pub shard: Option<Shard>,
+    pub backend: &'a Backend,
+    pub reads: Reads,
+    /// Wait for another process writing this folder (shard) instead of
+    /// refusing; told who holds it.
+    pub wait: Option<&'a dyn Fn(&str)>,
+    /// The command line, recorded in the shard's record.
+    pub command: Vec<String>,
+    /// A resubmission script, recorded in the shard's record.
+    pub resubmit: Option<String>,
+}
+
+/// [`run_with`] with every option.
+pub fn run_opts(
+    plan: &Plan,
+    out: &Path,
+    opts: &RunOptions,
+    progress: &mut dyn FnMut(usize, usize, &str),
+) -> Result<RunReport, SweepError> {
+    let (shard, backend, reads) = (opts.shard, opts.backend, opts.reads);
+    let _lock = lock_with(out, shard, opts.wait)?;
     let invalidated = prepare(out, plan)?;
-    let mine: Vec<Point> = plan
-        .points()
-        .into_iter()
-        .enumerate()
-        .filter(|(k, _)| shard.is_none_or(|s| k % s.count == s.index))
-        .map(|(_, p)| p)
-        .collect();
+    let mine: Vec<Point> = match shard {
+        None => plan.points(),
+        Some(s) => plan.shard_points(s),
+    };
+    if let Some(s) = shard {
+        let a = plan.assignment(s.count);
+        let record = ShardRecord {
+            shard: s,
+            points: mine.len(),
+            estimated_cost: a.loads[s.index],
+            plan_estimated_cost: plan.assignment(1).loads[0],
+            command: opts.command.clone(),
+            resubmit: opts.resubmit.clone(),
+        };
+        let text = serde_json::to_string_pretty(&record).expect("record serialises") + "\n";
+        write_atomic(&out.join(shard_record_name(s)), text.as_bytes())?;
+    }
     let (mut ran, mut reused) = (0, 0);
     let mut i = 0;
     // Points come in trace order: one open trace (and its replay, which keeps
@@ -729,8 +928,40 @@ pub fn read_plan(dir: &Path) -> Result<Plan, SweepError> {
     })
 }
 
+/// What `merge` found: whether every point is there and, for a sharded
+/// sweep, each shard's state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MergeReport {
+    pub complete: bool,
+    /// Points of the plan, and those still missing.
+    pub points: usize,
+    pub missing: usize,
+    /// Every shard of the split the folders record (empty when none does).
+    pub shards: Vec<ShardStatus>,
+}
+
+/// One shard of a merged split.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardStatus {
+    pub shard: Shard,
+    /// The merged folders that ran it (none: no folder of this shard was given).
+    pub folders: Vec<PathBuf>,
+    pub points: usize,
+    /// Its points missing from the merge.
+    pub missing: usize,
+    /// A recorded way to rerun it (the command of this or another shard).
+    pub record: Option<ShardRecord>,
+}
+
+impl MergeReport {
+    /// The shards with points missing.
+    pub fn incomplete(&self) -> impl Iterator<Item = &ShardStatus> {
+        self.shards.iter().filter(|s| s.missing > 0)
+    }
+}
+
 /// Join shard folders of one plan into `out`, exactly what one run writes.
-pub fn merge(shards: &[PathBuf], out: &Path) -> Result<bool, SweepError> {
+pub fn merge(shards: &[PathBuf], out: &Path) -> Result<MergeReport, SweepError> {
     let first = shards
         .first()
         .ok_or_else(|| SweepError::Plan("merge needs at least one shard folder".into()))?;
@@ -753,6 +984,24 @@ pub fn merge(shards: &[PathBuf], out: &Path) -> Result<bool, SweepError> {
             )));
         }
     }
+    // which shards the folders hold: one split, or none recorded
+    let mut records: Vec<(PathBuf, ShardRecord)> = Vec::new();
+    for s in shards {
+        for r in read_shard_records(s)? {
+            if let Some((d, other)) = records.iter().find(|(_, o)| o.shard.count != r.shard.count) {
+                return Err(SweepError::Plan(format!(
+                    "{} holds shard {}/{} but {} holds shard {}/{}: merge the folders of one split",
+                    d.display(),
+                    other.shard.index,
+                    other.shard.count,
+                    s.display(),
+                    r.shard.index,
+                    r.shard.count
+                )));
+            }
+            records.push((s.clone(), r));
+        }
+    }
     let _lock = lock(out, None)?;
     prepare(out, &plan)?;
     for s in shards {
@@ -760,7 +1009,9 @@ pub fn merge(shards: &[PathBuf], out: &Path) -> Result<bool, SweepError> {
         for e in std::fs::read_dir(&dir).map_err(io(&dir))? {
             let e = e.map_err(io(&dir))?;
             let name = e.file_name();
-            if name.to_string_lossy().ends_with(".json") {
+            let name_str = name.to_string_lossy();
+            // whole point files only (not another process's temporary name)
+            if name_str.ends_with(".json") && !name_str.starts_with('.') {
                 let dst = out.join("points").join(&name);
                 if !dst.exists() {
                     let bytes = std::fs::read(e.path()).map_err(io(&e.path()))?;
@@ -769,5 +1020,45 @@ pub fn merge(shards: &[PathBuf], out: &Path) -> Result<bool, SweepError> {
             }
         }
     }
-    assemble(out, &plan)
+    let complete = assemble(out, &plan)?;
+    let points = plan.points();
+    let done: Vec<bool> = points
+        .iter()
+        .map(|p| {
+            out.join("points")
+                .join(format!("{}.json", plan.point_id(p)))
+                .exists()
+        })
+        .collect();
+    let missing = done.iter().filter(|d| !**d).count();
+    let mut statuses = Vec::new();
+    if let Some((_, r0)) = records.first() {
+        let count = r0.shard.count;
+        let a = plan.assignment(count);
+        for index in 0..count {
+            let mine: Vec<usize> = (0..points.len())
+                .filter(|&k| a.shard_of[k] == index)
+                .collect();
+            let own: Vec<&(PathBuf, ShardRecord)> = records
+                .iter()
+                .filter(|(_, r)| r.shard.index == index)
+                .collect();
+            statuses.push(ShardStatus {
+                shard: Shard { index, count },
+                folders: own.iter().map(|(d, _)| d.clone()).collect(),
+                points: mine.len(),
+                missing: mine.iter().filter(|&&k| !done[k]).count(),
+                record: own
+                    .first()
+                    .map(|(_, r)| r.clone())
+                    .or_else(|| Some(r0.clone())),
+            });
+        }
+    }
+    Ok(MergeReport {
+        complete,
+        points: points.len(),
+        missing,
+        shards: statuses,
+    })
 }

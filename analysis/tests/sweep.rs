@@ -1,6 +1,7 @@
 //! Sweeps on small synthetic traces: resumption and sharding reproduce the
 //! uninterrupted run byte for byte; bad plans fail before any work.
 
+use kvreplay_analysis::cost::TraceShape;
 use kvreplay_analysis::sweep::{merge, run, Plan, Shard};
 use kvreplay_traces::*;
 use std::path::{Path, PathBuf};
@@ -176,6 +177,7 @@ fn resumed_and_sharded_sweeps_equal_one_run() {
     assert_eq!(files(&resumed), full);
 
     // Three shards, merged.
+    let mut sizes = Vec::new();
     let shards: Vec<PathBuf> = (0..3)
         .map(|i| {
             let d = tmp.path().join(format!("shard{i}"));
@@ -186,12 +188,17 @@ fn resumed_and_sharded_sweeps_equal_one_run() {
                 &mut |_, _, _| {},
             )
             .unwrap();
-            assert_eq!((r.points, r.complete), (6, false));
+            assert!(!r.complete);
+            sizes.push(r.points);
             d
         })
         .collect();
+    assert_eq!(sizes.iter().sum::<usize>(), 18, "{sizes:?}");
+    assert!(sizes.iter().all(|&n| n > 0), "{sizes:?}");
     let merged = tmp.path().join("merged");
-    assert!(merge(&shards, &merged).unwrap());
+    let r = merge(&shards, &merged).unwrap();
+    assert!(r.complete && r.missing == 0 && r.points == 18);
+    assert_eq!(r.shards.len(), 3);
     assert_eq!(files(&merged), full);
 
     // The plots and the report are the same however the sweep was split.
@@ -572,4 +579,189 @@ fn a_full_disk_fails_a_sweep_clearly_and_keeps_the_previous_results() {
     let out2 = disk.path().join("out2");
     assert!(run(&plan, &out2, None, &mut |_, _, _| {}).is_err());
     assert!(!out2.join("results.csv").exists() && !out2.join("summary.csv").exists());
+}
+
+/// A plan over SmolLM2-shaped traces of the default suite's lengths and every
+/// registered policy (no trace files: the assignment needs only shapes).
+fn synthetic_plan(lengths: &[usize]) -> Plan {
+    let policies: Vec<String> = kvreplay_replay::REGISTRY
+        .iter()
+        .filter(|p| !p.is_wrapper())
+        .map(|p| p.name.to_string())
+        .chain(["snapkv+quant".to_string(), "adakv:scorer=h2o".to_string()])
+        .collect();
+    Plan {
+        traces: lengths
+            .iter()
+            .map(|n| PathBuf::from(format!("passkey-{n}.kvtrace")))
+            .collect(),
+        policies,
+        budgets: vec![32, 64, 128, 256, 512, 1024],
+        trace_ids: lengths.iter().map(|n| format!("id{n}")).collect(),
+        shapes: lengths
+            .iter()
+            .map(|&n| TraceShape {
+                n_layers: 30,
+                n_heads: 9,
+                n_kv_heads: 3,
+                head_dim: 64,
+                prompt_len: n,
+                total_len: n + 16,
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn shards_cover_every_point_once_balanced_and_grouped_by_trace() {
+    let plan = synthetic_plan(&[512, 1024, 2048, 4096]);
+    let all = plan.points();
+    assert_eq!(all.len(), 4 * 18 * 6);
+    let costs = plan.point_costs();
+    let setups = plan.setup_costs();
+    for count in 1..=8 {
+        let mut seen = vec![0; all.len()];
+        let mut touched = 0;
+        let a = plan.assignment(count);
+        for index in 0..count {
+            let mine = plan.shard_points(Shard { index, count });
+            assert!(!mine.is_empty(), "shard {index}/{count} is empty");
+            let mut traces: Vec<usize> = mine.iter().map(|p| p.trace).collect();
+            traces.dedup();
+            touched += traces.len();
+            let mut load: u64 = traces.iter().map(|&t| setups[t]).sum();
+            for p in &mine {
+                let k = all.iter().position(|q| q == p).unwrap();
+                seen[k] += 1;
+                load += costs[k];
+            }
+            assert_eq!(load, a.loads[index], "shard {index}/{count}'s load");
+        }
+        assert!(
+            seen.iter().all(|&n| n == 1),
+            "{count} shards: every point exactly once"
+        );
+        let total: u64 = a.loads.iter().sum();
+        let max = *a.loads.iter().max().unwrap();
+        // within 10% of the mean (the split's target)
+        assert!(
+            max as f64 <= 1.1 * total as f64 / count as f64,
+            "{count} shards: loads {:?}",
+            a.loads
+        );
+        // a trace's points stay together where that balances: at most two
+        // extra (shard, trace) pairs per shard beyond one per trace
+        assert!(
+            touched <= 4 + 2 * count,
+            "{count} shards touch {touched} (shard, trace) pairs"
+        );
+        // deterministic: the same plan, read back from JSON, splits the same way
+        let back: Plan = serde_json::from_str(&serde_json::to_string(&plan).unwrap()).unwrap();
+        assert_eq!(back.assignment(count), a);
+    }
+    // one shard: each trace once, in plan order
+    assert!(plan.assignment(1).shard_of.iter().all(|&s| s == 0));
+    // four traces on four shards would leave the 512-token shard idle: the
+    // 4,096-token trace is split and the small ones share a shard
+    let a = plan.assignment(4);
+    assert!(a.imbalance() <= 1.1, "{:?}", a.loads);
+    let per_trace = |t: usize| -> Vec<usize> {
+        let mut v: Vec<usize> = (0..all.len())
+            .filter(|&k| all[k].trace == t)
+            .map(|k| a.shard_of[k])
+            .collect();
+        v.dedup();
+        v
+    };
+    assert!(per_trace(3).len() >= 2, "the longest trace is split");
+    assert_eq!(per_trace(0).len(), 1, "the shortest trace stays whole");
+}
+
+#[test]
+fn merge_names_missing_and_unfinished_shards_and_a_rerun_of_only_those_completes_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plan = plan(tmp.path());
+    let one = tmp.path().join("one");
+    run(&plan, &one, None, &mut |_, _, _| {}).unwrap();
+    let shard = |i: usize| Shard { index: i, count: 3 };
+    let dir = |i: usize| tmp.path().join(format!("s{i}"));
+    // shard 1 never ran; shard 0 was stopped after some of its points
+    for i in [0, 2] {
+        run(&plan, &dir(i), Some(shard(i)), &mut |_, _, _| {}).unwrap();
+    }
+    let rec = kvreplay_analysis::sweep::read_shard_records(&dir(0)).unwrap();
+    assert_eq!(rec.len(), 1);
+    assert_eq!(rec[0].shard, shard(0));
+    assert_eq!(rec[0].points, plan.shard_points(shard(0)).len());
+    let gone = plan.shard_points(shard(0))[0].clone();
+    std::fs::remove_file(
+        dir(0)
+            .join("points")
+            .join(format!("{}.json", plan.point_id(&gone))),
+    )
+    .unwrap();
+    let merged = tmp.path().join("merged");
+    let r = merge(&[dir(0), dir(2)], &merged).unwrap();
+    let n1 = plan.shard_points(shard(1)).len();
+    assert!(!r.complete);
+    assert_eq!((r.points, r.missing), (18, n1 + 1));
+    let bad: Vec<_> = r.incomplete().collect();
+    assert_eq!(bad.len(), 2);
+    assert_eq!((bad[0].shard, bad[0].missing), (shard(0), 1));
+    assert_eq!(bad[0].folders, vec![dir(0)]);
+    assert_eq!(
+        (bad[1].shard, bad[1].missing, bad[1].points),
+        (shard(1), n1, n1)
+    );
+    assert!(bad[1].folders.is_empty());
+    // rerun only those two; a second copy of shard 0 (a requeued task) is harmless
+    for i in [0, 1, 0] {
+        run(&plan, &dir(i), Some(shard(i)), &mut |_, _, _| {}).unwrap();
+    }
+    let r = merge(&[dir(0), dir(1), dir(2)], &merged).unwrap();
+    assert!(r.complete && r.missing == 0, "{r:?}");
+    assert_eq!(files(&merged), files(&one));
+    // folders of two different splits are refused
+    let other = tmp.path().join("other");
+    run(
+        &plan,
+        &other,
+        Some(Shard { index: 0, count: 2 }),
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    let e = merge(&[dir(0), other.clone()], &tmp.path().join("m2"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("shard 0/2") && e.contains("one split"), "{e}");
+}
+
+#[test]
+fn a_waiting_writer_takes_the_lock_when_the_holder_lets_go() {
+    use kvreplay_analysis::sweep::{lock, lock_with};
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let s = Some(Shard { index: 1, count: 4 });
+    let held = lock(&out, s).unwrap();
+    let (told_tx, told_rx) = std::sync::mpsc::channel::<String>();
+    let (got_tx, got_rx) = std::sync::mpsc::channel::<()>();
+    let o = out.clone();
+    let waiter = std::thread::spawn(move || {
+        let tell = move |m: &str| told_tx.send(m.to_string()).unwrap();
+        let l = lock_with(&o, s, Some(&tell)).unwrap();
+        got_tx.send(()).unwrap();
+        drop(l);
+    });
+    // it says whom it waits for before it waits
+    let told = told_rx.recv().unwrap();
+    assert!(
+        told.contains(&format!("pid {}", std::process::id()))
+            && told.contains("shard 1/4")
+            && told.contains("waiting"),
+        "{told}"
+    );
+    assert!(got_rx.try_recv().is_err(), "not while the lock is held");
+    drop(held);
+    got_rx.recv().unwrap();
+    waiter.join().unwrap();
 }

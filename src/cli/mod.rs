@@ -15,6 +15,7 @@ pub(crate) mod common;
 mod inspect;
 mod policies;
 mod replay;
+mod slurm;
 mod sweep;
 mod validate;
 mod verify;
@@ -71,6 +72,8 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Write a Slurm job array for a sweep file and the merge job that runs once every shard succeeded.
+    Slurm(slurm::SlurmArgs),
     /// Measure the seed papers' trace-checkable claims on a trace, next to what each paper states.
     Claims {
         #[arg(long)]
@@ -122,9 +125,9 @@ pub fn run() -> Result<()> {
         Cmd::Sweep(a) => cmd_sweep(a),
         Cmd::Validate(a) => cmd_validate(a),
         Cmd::Merge { shards, out } => {
-            let complete = kvreplay_analysis::sweep::merge(&shards, &out)
+            let r = kvreplay_analysis::sweep::merge(&shards, &out)
                 .with_context(|| format!("merging into {}", out.display()))?;
-            if complete {
+            if r.complete {
                 // what one run writes: the CSVs and the report with its plots
                 let plan = kvreplay_analysis::sweep::read_plan(&out)?;
                 kvreplay_analysis::report::write(&out, &plan).context("writing the report")?;
@@ -133,14 +136,18 @@ pub fn run() -> Result<()> {
                 "merged {} shard folders into {}{}",
                 shards.len(),
                 out.display(),
-                if complete {
+                if r.complete {
                     ""
                 } else {
                     " (some points are still missing)"
                 }
             );
+            if !r.complete {
+                bail!("{}", slurm::missing_message(&r, &out));
+            }
             Ok(())
         }
+        Cmd::Slurm(a) => slurm::cmd_slurm(a),
         Cmd::Bench(BenchCmd::Replay {
             trace,
             model,

@@ -313,7 +313,7 @@ impl Manifest {
         if let RopeScaling::Linear { factor } = m.rope.scaling {
             positive("rope.scaling.factor", factor, 1e6)?;
         }
-        if m.rope.rotated_dims > m.head_dim || m.rope.rotated_dims % 2 != 0 {
+        if m.rope.rotated_dims > m.head_dim || !m.rope.rotated_dims.is_multiple_of(2) {
             return Err(format!(
                 "model: rope.rotated_dims {} must be even and at most head_dim {}",
                 m.rope.rotated_dims, m.head_dim
