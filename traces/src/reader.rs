@@ -90,10 +90,17 @@ impl Trace {
                 mmap,
                 tensors,
             };
-            if reads == Reads::Verified {
-                verify_layer(&layer, entry)?;
-            }
             layers.push(layer);
+        }
+        if reads == Reads::Verified {
+            use rayon::prelude::*;
+            // one task per layer file; the first failure in layer order is reported
+            let checked: Vec<Result<(), TraceError>> = layers
+                .par_iter()
+                .zip(&manifest.files)
+                .map(|(layer, entry)| verify_layer(layer, entry))
+                .collect();
+            checked.into_iter().collect::<Result<(), TraceError>>()?;
         }
         Ok(Trace {
             dir,
@@ -222,14 +229,13 @@ fn verify_layer(layer: &LayerFile, entry: &crate::FileEntry) -> Result<(), Trace
 fn check_finite(layer: &LayerFile, l: usize) -> Result<(), TraceError> {
     for (name, (dtype, shape, range)) in &layer.tensors {
         let bytes = &layer.mmap[range.clone()];
-        let sz = dtype.size();
-        // all-ones exponent: inf or NaN
-        let bad = |c: &[u8]| match dtype {
-            Dtype::F32 => u32::from_le_bytes([c[0], c[1], c[2], c[3]]) & 0x7f80_0000 == 0x7f80_0000,
-            Dtype::F16 => u16::from_le_bytes([c[0], c[1]]) & 0x7c00 == 0x7c00,
-            Dtype::Bf16 => u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80,
+        let found = match dtype {
+            Dtype::F32 => first_bad::<4>(bytes, 0x7f80_0000),
+            Dtype::F16 => first_bad::<2>(bytes, 0x7c00),
+            Dtype::Bf16 => first_bad::<2>(bytes, 0x7f80),
         };
-        if let Some(i) = bytes.chunks_exact(sz).position(bad) {
+        if let Some(i) = found {
+            let sz = dtype.size();
             // shapes are (heads, rows[, cols])
             let per_head: usize = shape[1..].iter().product();
             let cols: usize = shape[2..].iter().product();
@@ -252,6 +258,31 @@ fn check_finite(layer: &LayerFile, l: usize) -> Result<(), TraceError> {
         }
     }
     Ok(())
+}
+
+/// Index of the first little-endian `N`-byte element whose exponent bits
+/// (`mask`) are all ones (inf or NaN). Scans blocks without early exit, so
+/// the common all-finite case vectorises; only a bad block is searched.
+fn first_bad<const N: usize>(bytes: &[u8], mask: u32) -> Option<usize> {
+    let word = |c: &[u8]| {
+        let mut w = [0u8; 4];
+        w[..N].copy_from_slice(&c[..N]);
+        u32::from_le_bytes(w)
+    };
+    const BLOCK: usize = 4096;
+    for (b, block) in bytes.chunks(BLOCK * N).enumerate() {
+        let any = block
+            .chunks_exact(N)
+            .fold(false, |acc, c| acc | (word(c) & mask == mask));
+        if any {
+            let i = block
+                .chunks_exact(N)
+                .position(|c| word(c) & mask == mask)
+                .expect("the block holds one");
+            return Some(b * BLOCK + i);
+        }
+    }
+    None
 }
 
 /// One layer of a trace.
