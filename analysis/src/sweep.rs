@@ -667,50 +667,20 @@ pub struct RunReport {
     pub invalidated: Vec<String>,
 }
 
-/// Run the points of `plan` that belong to `shard` and are not done yet, then
-/// assemble the CSVs from every finished point.
+/// Run the points of `plan` that belong to `shard` and are not done yet, on
+/// the CPU with verified reads, then assemble the CSVs from every finished
+/// point ([`run_opts`] for every other choice).
 pub fn run(
     plan: &Plan,
     out: &Path,
     shard: Option<Shard>,
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<RunReport, SweepError> {
-    run_on(plan, out, shard, &Backend::Cpu, progress)
-}
-
-/// [`run`] with attention computed on `backend`.
-pub fn run_on(
-    plan: &Plan,
-    out: &Path,
-    shard: Option<Shard>,
-    backend: &Backend,
-    progress: &mut dyn FnMut(usize, usize, &str),
-) -> Result<RunReport, SweepError> {
-    run_with(plan, out, shard, backend, Reads::Verified, progress)
-}
-
-/// [`run_on`], reading the traces as `reads` says (`--no-verify`).
-pub fn run_with(
-    plan: &Plan,
-    out: &Path,
-    shard: Option<Shard>,
-    backend: &Backend,
-    reads: Reads,
-    progress: &mut dyn FnMut(usize, usize, &str),
-) -> Result<RunReport, SweepError> {
-    run_opts(
-        plan,
-        out,
-        &RunOptions {
-            shard,
-            backend,
-            reads,
-            wait: None,
-            command: Vec::new(),
-            resubmit: None,
-        },
-        progress,
-    )
+    let opts = RunOptions {
+        shard,
+        ..RunOptions::new(&Backend::Cpu)
+    };
+    run_opts(plan, out, &opts, progress)
 }
 
 /// How [`run_opts`] runs a plan.
@@ -727,7 +697,21 @@ pub struct RunOptions<'a> {
     pub resubmit: Option<String>,
 }
 
-/// [`run_with`] with every option.
+impl<'a> RunOptions<'a> {
+    /// Every point, on `backend`, verified reads, no waiting, nothing recorded.
+    pub fn new(backend: &'a Backend) -> RunOptions<'a> {
+        RunOptions {
+            shard: None,
+            backend,
+            reads: Reads::Verified,
+            wait: None,
+            command: Vec::new(),
+            resubmit: None,
+        }
+    }
+}
+
+/// Run a plan as `opts` say: [`run`] with every option.
 pub fn run_opts(
     plan: &Plan,
     out: &Path,

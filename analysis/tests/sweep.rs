@@ -477,15 +477,11 @@ fn an_unverified_sweep_says_so_and_a_verified_one_refuses_a_damaged_trace() {
         "{e}"
     );
     let out = tmp.path().join("u");
-    kvreplay_analysis::sweep::run_with(
-        &plan,
-        &out,
-        None,
-        &Backend::Cpu,
-        Reads::Unverified,
-        &mut |_, _, _| {},
-    )
-    .unwrap();
+    let opts = kvreplay_analysis::sweep::RunOptions {
+        reads: Reads::Unverified,
+        ..kvreplay_analysis::sweep::RunOptions::new(&Backend::Cpu)
+    };
+    kvreplay_analysis::sweep::run_opts(&plan, &out, &opts, &mut |_, _, _| {}).unwrap();
     let points = kvreplay_analysis::sweep::load_points(&out, &plan).unwrap();
     assert!(points[0].unverified);
     kvreplay_analysis::report::write(&out, &plan).unwrap();
