@@ -284,20 +284,28 @@ pub fn bootstrap_mean_ci(
         .collect();
     means.sort_by(f64::total_cmp);
     let alpha = 1.0 - confidence;
-    Some([quantile(&means, alpha / 2.0), quantile(&means, 1.0 - alpha / 2.0)])
+    Some([
+        quantile(&means, alpha / 2.0),
+        quantile(&means, 1.0 - alpha / 2.0),
+    ])
 }
 
 /// `x` with three significant digits at the scale of `scale` (so an interval
 /// shares its mean's decimals).
 fn num(x: f64, scale: f64) -> String {
+    // the scale rounded to three significant digits first, so 0.09999999999999998 reads as 0.100
+    let scale: f64 = format!("{:.2e}", scale.abs()).parse().unwrap_or(0.0);
     let d = if scale == 0.0 || !scale.is_finite() {
         3
     } else {
-        (2 - scale.abs().log10().floor() as i32).clamp(0, 12) as usize
+        (2 - scale.log10().floor() as i32).clamp(0, 12) as usize
     };
     let s = format!("{x:.d$}");
     // no "-0.000"
-    if s.trim_start_matches('-').chars().all(|c| c == '0' || c == '.') {
+    if s.trim_start_matches('-')
+        .chars()
+        .all(|c| c == '0' || c == '.')
+    {
         s.trim_start_matches('-').to_string()
     } else {
         s
@@ -362,9 +370,7 @@ pub fn compare_points(
         )));
     }
     if opts.resamples == 0 {
-        return Err(CompareError::Input(
-            "--resamples must be at least 1".into(),
-        ));
+        return Err(CompareError::Input("--resamples must be at least 1".into()));
     }
     let a = resolve_method(plan, &opts.a)?;
     let b = resolve_method(plan, &opts.b)?;
@@ -393,9 +399,7 @@ pub fn compare_points(
     if curves.is_empty() {
         return Err(CompareError::Input(format!(
             "no trace has finished points of both {a} and {b}{}",
-            skipped
-                .first()
-                .map_or(String::new(), |s| format!(" ({s})"))
+            skipped.first().map_or(String::new(), |s| format!(" ({s})"))
         )));
     }
     let levels = match &opts.memory {
@@ -408,18 +412,26 @@ pub fn compare_points(
             m.clone()
         }
         _ => {
-            let lo = curves
-                .iter()
-                .flat_map(|(_, ca, cb)| [ca.range().0, cb.range().0])
-                .fold(f64::MIN, f64::max);
-            let hi = curves
-                .iter()
-                .flat_map(|(_, ca, cb)| [ca.range().1, cb.range().1])
-                .fold(f64::MAX, f64::min);
+            // (share, method, trace) where the common range starts and ends
+            let ends = |first: bool| {
+                let mut best: Option<(f64, &str, &str)> = None;
+                for (name, ca, cb) in &curves {
+                    for (cu, spec) in [(ca, a.as_str()), (cb, b.as_str())] {
+                        let (lo, hi) = cu.range();
+                        let x = if first { lo } else { hi };
+                        if best.is_none_or(|(y, _, _)| if first { x > y } else { x < y }) {
+                            best = Some((x, spec, name.as_str()));
+                        }
+                    }
+                }
+                best.expect("a trace")
+            };
+            let ((lo, ma, ta), (hi, mb, tb)) = (ends(true), ends(false));
             if lo > hi + EPS {
                 return Err(CompareError::OutOfRange(format!(
-                    "no memory share is measured for both {a} and {b} on every trace (the \
-                     highest lowest share is {}, the lowest highest {}); sweep more budgets",
+                    "no memory share is measured for both {a} and {b} on every trace: {ma} \
+                     starts at {} on {ta}, {mb} ends at {} on {tb}; sweep budgets that \
+                     overlap in memory, or compare other methods",
                     percent(lo),
                     percent(hi)
                 )));
