@@ -20,6 +20,7 @@
 //! that intersection.
 
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::sweep::{load_points, read_plan, trace_name, Plan, PointResult, SweepError};
@@ -98,6 +99,52 @@ pub struct Level {
     pub ties: usize,
     /// The result in one sentence.
     pub statement: String,
+    /// The same paired comparison per (layer, head), each row's `rel_l2`
+    /// interpolated at this memory share between the same points as the
+    /// trace's mean; only (layer, head) pairs every compared trace has. The
+    /// intervals are per head, not adjusted for the number of heads.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub heads: Vec<HeadDiff>,
+}
+
+/// The paired comparison of one (layer, head) at one memory share.
+#[derive(Serialize, Clone, Debug, PartialEq)]
+pub struct HeadDiff {
+    pub layer: usize,
+    pub head: usize,
+    /// Mean over traces of A's minus B's error of this head.
+    pub mean_diff: f64,
+    pub ci: Option<[f64; 2]>,
+    /// Traces where A's error of this head is lower.
+    pub a_lower: usize,
+}
+
+/// Per trace compared: A's and B's curves per (layer, head).
+type HeadCurves = BTreeMap<(usize, usize), Curve>;
+
+fn head_level(heads: &[(HeadCurves, HeadCurves)], m: f64, opts: &Options) -> Vec<HeadDiff> {
+    let Some((first, _)) = heads.first() else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    'key: for &(layer, head) in first.keys() {
+        let mut d = Vec::with_capacity(heads.len());
+        for (ha, hb) in heads {
+            let at = |h: &HeadCurves| h.get(&(layer, head)).and_then(|c| c.at(m));
+            match (at(ha), at(hb)) {
+                (Some((ea, _)), Some((eb, _))) => d.push(ea - eb),
+                _ => continue 'key,
+            }
+        }
+        out.push(HeadDiff {
+            layer,
+            head,
+            mean_diff: crate::stats::mean(&d),
+            ci: bootstrap_mean_ci(&d, opts.confidence, opts.resamples, opts.seed),
+            a_lower: d.iter().filter(|&&x| x < 0.0).count(),
+        });
+    }
+    out
 }
 
 /// A comparison of two methods of one sweep.
@@ -383,13 +430,36 @@ pub fn compare_points(
             .collect();
         Curve::new(&pts)
     };
+    // per (layer, head): the curve of that row's rel_l2 over the same points
+    let head_curves = |trace: &str, spec: &str| -> HeadCurves {
+        let mut m: BTreeMap<(usize, usize), Vec<(f64, f64, usize)>> = BTreeMap::new();
+        for p in points
+            .iter()
+            .filter(|p| p.summary.trace == trace && p.summary.policy_spec == spec)
+        {
+            for r in &p.rows {
+                m.entry((r.layer, r.head)).or_default().push((
+                    p.summary.memory_ratio,
+                    r.rel_l2,
+                    p.summary.budget,
+                ));
+            }
+        }
+        m.into_iter()
+            .filter_map(|(k, v)| Some((k, Curve::new(&v)?)))
+            .collect()
+    };
     // (trace, A's curve, B's curve) for traces with points of both methods
     let mut curves = Vec::new();
     let mut skipped = Vec::new();
+    let mut heads = Vec::new();
     for t in &plan.traces {
         let name = trace_name(t);
         match (curve(&name, &a), curve(&name, &b)) {
-            (Some(ca), Some(cb)) => curves.push((name, ca, cb)),
+            (Some(ca), Some(cb)) => {
+                heads.push((head_curves(&name, &a), head_curves(&name, &b)));
+                curves.push((name, ca, cb));
+            }
             (ca, _) => skipped.push(format!(
                 "{name}: no finished point of {} (a shard still missing, or failed points?)",
                 if ca.is_none() { &a } else { &b }
@@ -488,6 +558,7 @@ pub fn compare_points(
             });
         }
         let d: Vec<f64> = traces.iter().map(|t| t.diff).collect();
+        let head_diffs = head_level(&heads, m, opts);
         let mut l = Level {
             memory: m,
             mean_diff: crate::stats::mean(&d),
@@ -496,6 +567,7 @@ pub fn compare_points(
             a_higher: d.iter().filter(|&&x| x > 0.0).count(),
             ties: d.iter().filter(|&&x| x == 0.0).count(),
             traces,
+            heads: head_diffs,
             statement: String::new(),
         };
         l.statement = statement(&c, &l, d.len());
@@ -538,6 +610,32 @@ impl Comparison {
                 );
             }
             s += &format!("  {}\n", l.statement);
+            if !l.heads.is_empty() {
+                let n = l.heads.len();
+                let lower = l.heads.iter().filter(|h| h.mean_diff < 0.0).count();
+                let below = l
+                    .heads
+                    .iter()
+                    .filter(|h| h.ci.is_some_and(|c| c[1] < 0.0))
+                    .count();
+                let above = l
+                    .heads
+                    .iter()
+                    .filter(|h| h.ci.is_some_and(|c| c[0] > 0.0))
+                    .count();
+                s += &format!(
+                    "  per (layer, head): A's mean error is lower on {lower} of {n} heads{}\n",
+                    if l.ci.is_some() {
+                        format!(
+                            "; the interval lies below 0 on {below} and above 0 on {above} \
+                             (each {}, not adjusted for {n} comparisons)",
+                            percent(self.confidence)
+                        )
+                    } else {
+                        String::new()
+                    }
+                );
+            }
         }
         s
     }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use kvreplay_analysis::compare::{
     bootstrap_mean_ci, compare, CompareError, Comparison, Curve, Options,
 };
-use kvreplay_analysis::sweep::{Plan, Point, PointResult, SummaryRow};
+use kvreplay_analysis::sweep::{Plan, Point, PointResult, ResultRow, SummaryRow};
 use kvreplay_replay::PolicySpec;
 
 fn spec(s: &str) -> String {
@@ -19,9 +19,15 @@ type Pt = (usize, usize, usize, f64, f64);
 /// A sweep folder in `dir` with `traces` named t0, t1, ..., the `policies`
 /// (short names) and the given finished points.
 fn sweep(dir: &Path, n_traces: usize, policies: &[&str], pts: &[Pt]) -> PathBuf {
+    let pts: Vec<(Pt, Vec<f64>)> = pts.iter().map(|p| (*p, vec![])).collect();
+    sweep_rows(dir, n_traces, policies, &pts)
+}
+
+/// [`sweep`] with each point's per-head errors (layer 0, heads 0, 1, ...).
+fn sweep_rows(dir: &Path, n_traces: usize, policies: &[&str], pts: &[(Pt, Vec<f64>)]) -> PathBuf {
     let out = dir.join("sweep");
     std::fs::create_dir_all(out.join("points")).unwrap();
-    let mut budgets: Vec<usize> = pts.iter().map(|p| p.2).collect();
+    let mut budgets: Vec<usize> = pts.iter().map(|p| p.0 .2).collect();
     budgets.sort_unstable();
     budgets.dedup();
     let plan = Plan {
@@ -38,9 +44,26 @@ fn sweep(dir: &Path, n_traces: usize, policies: &[&str], pts: &[Pt]) -> PathBuf 
         serde_json::to_string_pretty(&plan).unwrap(),
     )
     .unwrap();
-    for &(trace, policy, budget, memory, err) in pts {
+    for ((trace, policy, budget, memory, err), heads) in pts {
+        let (trace, policy, budget) = (*trace, *policy, *budget);
+        let (memory, err) = (*memory, *err);
         let r = PointResult {
-            rows: vec![],
+            rows: heads
+                .iter()
+                .enumerate()
+                .map(|(head, &rel_l2)| ResultRow {
+                    trace: format!("t{trace}"),
+                    policy: policies[policy].to_string(),
+                    budget,
+                    layer: 0,
+                    head,
+                    rel_l2,
+                    cosine: 1.0,
+                    attn_mass: 1.0,
+                    kl: 0.0,
+                    bytes: 500,
+                })
+                .collect(),
             summary: SummaryRow {
                 trace: format!("t{trace}"),
                 policy: policies[policy].to_string(),
@@ -383,4 +406,41 @@ fn no_common_memory_names_the_methods_and_traces() {
             s = spec("snapkv")
         )
     );
+}
+
+#[test]
+fn per_layer_head_differences_interpolated_like_the_mean() {
+    // 3 traces; head 0 favours A, head 1 favours B; points at 10% and 30%
+    // (errors halve), compared at 20%: each error times 3/4
+    let mut pts = Vec::new();
+    let a = [[0.2, 0.6], [0.3, 0.5], [0.1, 0.7]];
+    let b = [[0.4, 0.4], [0.4, 0.3], [0.3, 0.6]];
+    for t in 0..3 {
+        for (p, h) in [(0, a[t]), (1, b[t])] {
+            let mean = (h[0] + h[1]) / 2.0;
+            pts.push(((t, p, 32, 0.1, mean), h.to_vec()));
+            pts.push(((t, p, 64, 0.3, mean / 2.0), vec![h[0] / 2.0, h[1] / 2.0]));
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = sweep_rows(tmp.path(), 3, &["snapkv", "h2o"], &pts);
+    let c = compare(&dir, &opts(&[0.2])).unwrap();
+    let l = &c.levels[0];
+    assert_eq!(l.heads.len(), 2);
+    let (h0, h1) = (&l.heads[0], &l.heads[1]);
+    assert_eq!((h0.layer, h0.head, h1.layer, h1.head), (0, 0, 0, 1));
+    // head 0: 0.75 * mean(-0.2, -0.1, -0.2); head 1: 0.75 * mean(0.2, 0.2, 0.1)
+    assert!((h0.mean_diff + 0.125).abs() < 1e-12, "{}", h0.mean_diff);
+    assert!((h1.mean_diff - 0.125).abs() < 1e-12, "{}", h1.mean_diff);
+    assert_eq!((h0.a_lower, h1.a_lower), (3, 0));
+    assert!(h0.ci.unwrap()[1] < 0.0 && h1.ci.unwrap()[0] > 0.0);
+    // the heads' mean is the traces' mean difference (0 here)
+    assert!(
+        l.mean_diff.abs() < 1e-12
+            && ((h0.mean_diff + h1.mean_diff) / 2.0 - l.mean_diff).abs() < 1e-12
+    );
+    assert!(c.to_text().contains(
+        "per (layer, head): A's mean error is lower on 1 of 2 heads; the interval lies below 0 \
+         on 1 and above 0 on 1 (each 95%, not adjusted for 2 comparisons)"
+    ));
 }
