@@ -119,6 +119,9 @@ pub struct HeadDiff {
     pub a_lower: usize,
 }
 
+/// A measured point: (memory share, error, budget).
+type CurvePoint = (f64, f64, usize);
+
 /// Per trace compared: A's and B's curves per (layer, head).
 type HeadCurves = BTreeMap<(usize, usize), Curve>;
 
@@ -432,7 +435,7 @@ pub fn compare_points(
     };
     // per (layer, head): the curve of that row's rel_l2 over the same points
     let head_curves = |trace: &str, spec: &str| -> HeadCurves {
-        let mut m: BTreeMap<(usize, usize), Vec<(f64, f64, usize)>> = BTreeMap::new();
+        let mut m: BTreeMap<(usize, usize), Vec<CurvePoint>> = BTreeMap::new();
         for p in points
             .iter()
             .filter(|p| p.summary.trace == trace && p.summary.policy_spec == spec)
