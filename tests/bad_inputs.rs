@@ -150,6 +150,90 @@ fn merge_writes_the_report_a_single_run_writes() {
     }
 }
 
+#[test]
+fn compare_reads_a_sweep_and_its_merged_shards_alike() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tiny();
+    let sweep = |out: &Path, shard: Option<&str>| {
+        let mut a = vec![
+            "sweep",
+            "--traces",
+            t.to_str().unwrap(),
+            "--policy",
+            "h2o",
+            "streaming_llm",
+            "--budget",
+            "4,8",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        if let Some(s) = shard {
+            a.extend(["--shard", s]);
+        }
+        let x = kvreplay(&a);
+        assert!(x.status.success(), "{}", text(&x));
+    };
+    let one = tmp.path().join("one");
+    sweep(&one, None);
+    let (s0, s1) = (tmp.path().join("s0"), tmp.path().join("s1"));
+    sweep(&s0, Some("0/2"));
+    sweep(&s1, Some("1/2"));
+    let merged = tmp.path().join("merged");
+    let x = kvreplay(&[
+        "merge",
+        s0.to_str().unwrap(),
+        s1.to_str().unwrap(),
+        "--out",
+        merged.to_str().unwrap(),
+    ]);
+    assert!(x.status.success(), "{}", text(&x));
+    let compare = |dir: &Path, threads: &str, json: &Path| {
+        let x = kvreplay(&[
+            "--threads",
+            threads,
+            "compare",
+            dir.to_str().unwrap(),
+            "--a",
+            "h2o",
+            "--b",
+            "streaming_llm",
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert!(x.status.success(), "{}", text(&x));
+        (
+            String::from_utf8(x.stdout).unwrap(),
+            std::fs::read(json).unwrap(),
+        )
+    };
+    let (j1, j2) = (tmp.path().join("1.json"), tmp.path().join("2.json"));
+    let (out, json) = compare(&one, "1", &j1);
+    assert_eq!((out.clone(), json), compare(&merged, "2", &j2));
+    assert!(
+        out.contains("h2o's error is lower than streaming_llm's at ")
+            && out.contains("with one trace no interval can be computed."),
+        "{out}"
+    );
+    // a memory share outside the measured range is refused, naming the trace
+    let x = kvreplay(&[
+        "compare",
+        one.to_str().unwrap(),
+        "--a",
+        "h2o",
+        "--b",
+        "streaming_llm",
+        "--memory",
+        "0.0001",
+    ]);
+    assert!(!x.status.success());
+    assert!(
+        text(&x).contains("0.01% of the full cache is outside what h2o")
+            && text(&x).contains("on tiny.kvtrace ("),
+        "{}",
+        text(&x)
+    );
+}
+
 /// `kvreplay sweep --shard auto` in a given Slurm environment (none of the
 /// caller's SLURM_* variables leak in).
 fn sweep_auto(out: &Path, shard: &str, env: &[(&str, &str)]) -> std::process::Output {

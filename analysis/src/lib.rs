@@ -8,6 +8,7 @@
 //! Invariant: analysis never loads a model; it reads traces and runs replays.
 
 pub mod claims;
+pub mod compare;
 pub mod cost;
 pub mod report;
 pub mod stats;

@@ -12,6 +12,7 @@ mod bench;
 mod capture;
 mod claims;
 pub(crate) mod common;
+mod compare;
 mod inspect;
 mod policies;
 mod replay;
@@ -24,6 +25,7 @@ use bench::BenchCmd;
 use capture::{cmd_capture, CaptureArgs};
 use claims::cmd_claims;
 use common::resolve_model;
+use compare::{cmd_compare, CompareArgs};
 use inspect::cmd_inspect;
 use policies::cmd_policies;
 use replay::{cmd_replay, ReplayArgs};
@@ -82,6 +84,8 @@ enum Cmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Compare method A with method B of a sweep at matched memory: paired per-trace differences and a bootstrap CI.
+    Compare(CompareArgs),
     /// Closed loop: rerun the model with each policy inside the forward pass and check how well replay predicts it.
     Validate(ValidateArgs),
     /// Benchmarks on the real model (see BENCHMARKS.md).
@@ -123,6 +127,7 @@ pub fn run() -> Result<()> {
         Cmd::Policies => cmd_policies(),
         Cmd::Claims { trace, json } => cmd_claims(&trace, json.as_deref()),
         Cmd::Sweep(a) => cmd_sweep(a),
+        Cmd::Compare(a) => cmd_compare(a),
         Cmd::Validate(a) => cmd_validate(a),
         Cmd::Merge { shards, out } => {
             let r = kvreplay_analysis::sweep::merge(&shards, &out)
