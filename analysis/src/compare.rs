@@ -93,6 +93,10 @@ pub struct Level {
     pub mean_diff: f64,
     /// Percentile bootstrap interval of the mean over traces; `None` with one trace.
     pub ci: Option<[f64; 2]>,
+    /// Two-sided p-value of the paired sign-flip permutation test of a zero
+    /// mean difference (exact over all 2^n sign patterns up to 20 traces);
+    /// `None` with one trace. With n traces it cannot fall below 2^(1-n).
+    pub p_value: Option<f64>,
     /// Traces where A's error is lower, higher, equal.
     pub a_lower: usize,
     pub a_higher: usize,
@@ -340,6 +344,59 @@ pub fn bootstrap_mean_ci(
     ])
 }
 
+/// Two-sided p-value of the sign-flip permutation test that the paired
+/// differences `x` have mean zero: the share of sign patterns whose |mean| is
+/// at least the observed one (a relative 1e-12 slack absorbs rounding). Exact
+/// over all 2^n patterns for n <= 20; beyond that `resamples` random patterns
+/// from `seed`, counting the observed one. `None` with fewer than two values.
+pub fn sign_flip_p(x: &[f64], resamples: usize, seed: u64) -> Option<f64> {
+    let n = x.len();
+    if n < 2 {
+        return None;
+    }
+    let observed = x.iter().sum::<f64>().abs();
+    let slack = 1e-12 * x.iter().map(|v| v.abs()).sum::<f64>();
+    let extreme = |signs: u64| {
+        let s: f64 = x
+            .iter()
+            .enumerate()
+            .map(|(i, v)| if signs >> i & 1 == 1 { -v } else { *v })
+            .sum();
+        s.abs() >= observed - slack
+    };
+    if n <= 20 {
+        let total = 1u64 << n;
+        let hits = (0..total).filter(|&s| extreme(s)).count();
+        Some(hits as f64 / total as f64)
+    } else {
+        let mut rng = SplitMix64(seed);
+        let hits = (0..resamples)
+            .filter(|_| {
+                let s: f64 = x
+                    .iter()
+                    .map(|v| if rng.next() & 1 == 1 { -v } else { *v })
+                    .sum();
+                s.abs() >= observed - slack
+            })
+            .count();
+        Some((hits + 1) as f64 / (resamples + 1) as f64)
+    }
+}
+
+/// A p-value in words, with the floor n traces allow when that is what it is.
+fn p_text(p: f64, traces: usize) -> String {
+    let floor = if traces <= 20 {
+        2f64.powi(1 - traces as i32)
+    } else {
+        0.0
+    };
+    if p <= floor * (1.0 + 1e-9) {
+        format!("{p:.3} (the smallest {traces} traces can give)")
+    } else {
+        format!("{p:.3}")
+    }
+}
+
 /// `x` with three significant digits at the scale of `scale` (so an interval
 /// shares its mean's decimals).
 fn num(x: f64, scale: f64) -> String {
@@ -390,12 +447,16 @@ fn statement(c: &Comparison, l: &Level, traces: usize) -> String {
                 .map(|v| v.abs())
                 .fold(0.0, f64::max);
             s += &format!(
-                "; mean difference {} [{}, {}], {} bootstrap CI over traces.",
+                "; mean difference {} [{}, {}], {} bootstrap CI over traces",
                 num(l.mean_diff, scale),
                 num(lo, scale),
                 num(hi, scale),
                 percent(c.confidence)
             );
+            if let Some(p) = l.p_value {
+                s += &format!("; paired sign-flip test p = {}", p_text(p, traces));
+            }
+            s += ".";
         }
         None => {
             s += &format!(
@@ -566,6 +627,7 @@ pub fn compare_points(
             memory: m,
             mean_diff: crate::stats::mean(&d),
             ci: bootstrap_mean_ci(&d, opts.confidence, opts.resamples, opts.seed),
+            p_value: sign_flip_p(&d, opts.resamples, opts.seed),
             a_lower: d.iter().filter(|&&x| x < 0.0).count(),
             a_higher: d.iter().filter(|&&x| x > 0.0).count(),
             ties: d.iter().filter(|&&x| x == 0.0).count(),

@@ -149,7 +149,16 @@ fn a_better_on_every_trace_interval_below_zero() {
         "{}",
         l.statement
     );
-    assert!(l.statement.ends_with("], 95% bootstrap CI over traces."));
+    // every difference negative: only the all-same-sign patterns are as extreme
+    assert_eq!(l.p_value, Some(2.0 / 32.0));
+    assert!(
+        l.statement.ends_with(
+            "], 95% bootstrap CI over traces; paired sign-flip test p = 0.062 \
+             (the smallest 5 traces can give)."
+        ),
+        "{}",
+        l.statement
+    );
 }
 
 #[test]
@@ -278,6 +287,26 @@ fn one_trace_has_no_interval() {
         "snapkv's error is lower than h2o's at 10% of the full cache on 1 of 1 trace; \
          difference -0.200; with one trace no interval can be computed."
     );
+}
+
+#[test]
+fn sign_flip_p_values_by_hand() {
+    use kvreplay_analysis::compare::sign_flip_p;
+    // |sum| of ±1 ±1 ±1 ±1 reaches 4 only with all signs equal: 2 of 16
+    assert_eq!(sign_flip_p(&[-1.0; 4], 1000, 0), Some(0.125));
+    // ±2 ±1 ±3: |sum| >= 6 for the 2 same-sign patterns only: 2 of 8
+    assert_eq!(sign_flip_p(&[-2.0, -1.0, -3.0], 1000, 0), Some(0.25));
+    // 3 -1 -1 sums to 1; every pattern of ±3 ±1 ±1 has |sum| >= 1: all 8
+    assert_eq!(sign_flip_p(&[3.0, -1.0, -1.0], 1000, 0), Some(1.0));
+    // ±3 ±1 ±1 with observed 5: |sum| >= 5 for (3,1,1) and its negation: 2 of 8
+    assert_eq!(sign_flip_p(&[3.0, 1.0, 1.0], 1000, 0), Some(0.25));
+    // a tie: every pattern is as extreme as 0
+    assert_eq!(sign_flip_p(&[0.0; 3], 1000, 0), Some(1.0));
+    assert_eq!(sign_flip_p(&[0.5], 1000, 0), None);
+    // beyond 20 values: Monte Carlo, (hits + 1) / (resamples + 1); 24 equal
+    // signs are as extreme only in 2 of 2^24 patterns, so almost never drawn
+    let p = sign_flip_p(&[-1.0; 24], 999, 3).unwrap();
+    assert_eq!(p, 1.0 / 1000.0);
 }
 
 #[test]
