@@ -98,9 +98,9 @@ fn replay_refuses_a_damaged_trace_unless_told_not_to_verify() {
     assert_eq!(s["trace"]["verified"], false, "recorded in the output");
 }
 
-#[test]
-fn merge_writes_the_report_a_single_run_writes() {
-    let tmp = tempfile::tempdir().unwrap();
+/// The tiny trace swept (h2o, streaming_llm; budgets 4, 8) in one run into
+/// `DIR/one` and as two shards merged into `DIR/merged`.
+fn one_run_and_merged_shards(dir: &Path) -> (PathBuf, PathBuf) {
     let t = tiny();
     let sweep = |out: &Path, shard: Option<&str>| {
         let mut a = vec![
@@ -121,12 +121,12 @@ fn merge_writes_the_report_a_single_run_writes() {
         let x = kvreplay(&a);
         assert!(x.status.success(), "{}", text(&x));
     };
-    let one = tmp.path().join("one");
+    let one = dir.join("one");
     sweep(&one, None);
-    let (s0, s1) = (tmp.path().join("s0"), tmp.path().join("s1"));
+    let (s0, s1) = (dir.join("s0"), dir.join("s1"));
     sweep(&s0, Some("0/2"));
     sweep(&s1, Some("1/2"));
-    let merged = tmp.path().join("merged");
+    let merged = dir.join("merged");
     let x = kvreplay(&[
         "merge",
         s0.to_str().unwrap(),
@@ -135,6 +135,13 @@ fn merge_writes_the_report_a_single_run_writes() {
         merged.to_str().unwrap(),
     ]);
     assert!(x.status.success(), "{}", text(&x));
+    (one, merged)
+}
+
+#[test]
+fn merge_writes_the_report_a_single_run_writes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (one, merged) = one_run_and_merged_shards(tmp.path());
     for f in [
         "results.csv",
         "summary.csv",
@@ -153,40 +160,7 @@ fn merge_writes_the_report_a_single_run_writes() {
 #[test]
 fn compare_reads_a_sweep_and_its_merged_shards_alike() {
     let tmp = tempfile::tempdir().unwrap();
-    let t = tiny();
-    let sweep = |out: &Path, shard: Option<&str>| {
-        let mut a = vec![
-            "sweep",
-            "--traces",
-            t.to_str().unwrap(),
-            "--policy",
-            "h2o",
-            "streaming_llm",
-            "--budget",
-            "4,8",
-            "--out",
-            out.to_str().unwrap(),
-        ];
-        if let Some(s) = shard {
-            a.extend(["--shard", s]);
-        }
-        let x = kvreplay(&a);
-        assert!(x.status.success(), "{}", text(&x));
-    };
-    let one = tmp.path().join("one");
-    sweep(&one, None);
-    let (s0, s1) = (tmp.path().join("s0"), tmp.path().join("s1"));
-    sweep(&s0, Some("0/2"));
-    sweep(&s1, Some("1/2"));
-    let merged = tmp.path().join("merged");
-    let x = kvreplay(&[
-        "merge",
-        s0.to_str().unwrap(),
-        s1.to_str().unwrap(),
-        "--out",
-        merged.to_str().unwrap(),
-    ]);
-    assert!(x.status.success(), "{}", text(&x));
+    let (one, merged) = one_run_and_merged_shards(tmp.path());
     let compare = |dir: &Path, threads: &str, json: &Path| {
         let x = kvreplay(&[
             "--threads",

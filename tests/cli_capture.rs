@@ -6,6 +6,20 @@ mod common;
 
 use common::{kvreplay, text};
 use kvreplay_capture::testing::{tiny_gguf, PLAIN};
+use std::path::Path;
+
+/// `kvreplay capture --model MODEL ARGS... --out OUT`, which must fail with
+/// exit status 1 and write nothing at OUT; returns what it printed.
+fn capture_fails(model: &Path, args: &[&str], out: &Path) -> String {
+    let mut a = vec!["capture", "--model", model.to_str().unwrap()];
+    a.extend_from_slice(args);
+    a.extend(["--out", out.to_str().unwrap()]);
+    let o = kvreplay(&a);
+    let s = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{s}");
+    assert!(!out.exists(), "{s}");
+    s
+}
 
 #[test]
 fn threads_beyond_the_cap_are_capped_with_a_warning() {
@@ -30,28 +44,24 @@ fn capture_with_a_decode_length_that_would_wrap_fails_cleanly() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_gguf(tmp.path(), &PLAIN);
     let out = tmp.path().join("x.kvtrace");
-    let o = kvreplay(&[
-        "capture",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt",
-        "the cat",
-        "--decode",
-        "18446744073709551613",
-        "--out",
-        out.to_str().unwrap(),
-        "--device",
-        "cpu",
-    ]);
-    let s = text(&o);
-    assert_eq!(o.status.code(), Some(1), "{s}");
+    let s = capture_fails(
+        &model,
+        &[
+            "--prompt",
+            "the cat",
+            "--decode",
+            "18446744073709551613",
+            "--device",
+            "cpu",
+        ],
+        &out,
+    );
     assert!(
         s.contains("18446744073709551613 more are to be generated")
             && s.contains("context is 64 tokens")
             && !s.contains("panicked"),
         "{s}"
     );
-    assert!(!out.exists());
 }
 
 #[test]
@@ -71,17 +81,7 @@ fn capture_refuses_a_fifo_as_model() {
         .open(&fifo)
         .unwrap();
     let out = tmp.path().join("x.kvtrace");
-    let o = kvreplay(&[
-        "capture",
-        "--model",
-        fifo.to_str().unwrap(),
-        "--prompt",
-        "the cat",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    let s = text(&o);
-    assert_eq!(o.status.code(), Some(1), "{s}");
+    let s = capture_fails(&fifo, &["--prompt", "the cat"], &out);
     assert!(
         s.contains("pipe.gguf") && s.contains("a FIFO (named pipe), not a regular file"),
         "{s}"
@@ -93,17 +93,7 @@ fn capture_refuses_a_prompt_file_that_is_not_a_regular_file() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_gguf(tmp.path(), &PLAIN);
     let out = tmp.path().join("x.kvtrace");
-    let o = kvreplay(&[
-        "capture",
-        "--model",
-        model.to_str().unwrap(),
-        "--prompt-file",
-        "/dev/null",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    let s = text(&o);
-    assert_eq!(o.status.code(), Some(1), "{s}");
+    let s = capture_fails(&model, &["--prompt-file", "/dev/null"], &out);
     assert!(
         s.contains("/dev/null: the prompt file is a character device, not a regular file"),
         "{s}"
