@@ -6,7 +6,7 @@ use std::path::Path;
 
 use kvreplay_traces::Manifest;
 
-use crate::sweep::{load_points, trace_name, Plan, PointResult, SweepError, RETENTION_BINS};
+use crate::sweep::{load_results, trace_name, Plan, PointResult, SweepError, RETENTION_BINS};
 
 type PlotResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -432,7 +432,7 @@ pub fn command(plan: &Plan) -> String {
 /// Write the plots and `report.html` into the sweep folder `out`.
 pub fn write(out: &Path, plan: &Plan) -> Result<(), SweepError> {
     let command = command(plan);
-    let points = load_points(out, plan)?;
+    let (points, failed) = load_results(out, plan)?;
     if points.is_empty() {
         return Err(SweepError::Plan(format!(
             "{}: no finished points to report",
@@ -441,7 +441,6 @@ pub fn write(out: &Path, plan: &Plan) -> Result<(), SweepError> {
     }
     let has_needle = points.iter().any(|p| p.summary.needle_retention.is_some());
     let unverified = points.iter().filter(|p| p.unverified).count();
-    let failed = crate::sweep::load_failed(out, plan)?;
     let a = Agg::new(plan, points);
     fn plot_err(name: &'static str) -> impl Fn(Box<dyn std::error::Error>) -> SweepError {
         move |e| SweepError::Plan(format!("plotting {name}: {e}"))

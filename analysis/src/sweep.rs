@@ -169,13 +169,23 @@ impl Plan {
 
     /// The points of `shard`, in plan order.
     pub fn shard_points(&self, shard: Shard) -> Vec<Point> {
-        let a = self.assignment(shard.count);
+        self.points_in(&self.assignment(shard.count), shard.index)
+    }
+
+    /// The points `a` gives to shard `index`, in plan order.
+    pub fn points_in(&self, a: &Assignment, index: usize) -> Vec<Point> {
         self.points()
             .into_iter()
-            .zip(a.shard_of)
-            .filter(|(_, s)| *s == shard.index)
+            .zip(&a.shard_of)
+            .filter(|(_, s)| **s == index)
             .map(|(p, _)| p)
             .collect()
+    }
+
+    /// Estimated cost of the whole plan run once: every point, and each
+    /// trace's budget-independent work once.
+    pub fn estimated_cost(&self) -> u64 {
+        self.point_costs().iter().sum::<u64>() + self.setup_costs().iter().sum::<u64>()
     }
 
     /// Memory to ask for a run of this plan: twice the largest trace's f32
@@ -723,21 +733,22 @@ pub fn run_opts(
     let invalidated = prepare(out, plan)?;
     let mine: Vec<Point> = match shard {
         None => plan.points(),
-        Some(s) => plan.shard_points(s),
+        Some(s) => {
+            let a = plan.assignment(s.count);
+            let mine = plan.points_in(&a, s.index);
+            let record = ShardRecord {
+                shard: s,
+                points: mine.len(),
+                estimated_cost: a.loads[s.index],
+                plan_estimated_cost: plan.estimated_cost(),
+                command: opts.command.clone(),
+                resubmit: opts.resubmit.clone(),
+            };
+            let text = serde_json::to_string_pretty(&record).expect("record serialises") + "\n";
+            write_atomic(&out.join(shard_record_name(s)), text.as_bytes())?;
+            mine
+        }
     };
-    if let Some(s) = shard {
-        let a = plan.assignment(s.count);
-        let record = ShardRecord {
-            shard: s,
-            points: mine.len(),
-            estimated_cost: a.loads[s.index],
-            plan_estimated_cost: plan.assignment(1).loads[0],
-            command: opts.command.clone(),
-            resubmit: opts.resubmit.clone(),
-        };
-        let text = serde_json::to_string_pretty(&record).expect("record serialises") + "\n";
-        write_atomic(&out.join(shard_record_name(s)), text.as_bytes())?;
-    }
     let (mut ran, mut reused) = (0, 0);
     let mut i = 0;
     // Points come in trace order: one open trace (and its replay, which keeps
@@ -832,24 +843,23 @@ fn point_files(out: &Path, plan: &Plan) -> Result<Vec<Option<PointFile>>, SweepE
 
 /// The finished (not failed) points of a sweep folder, in plan order.
 pub fn load_points(out: &Path, plan: &Plan) -> Result<Vec<PointResult>, SweepError> {
-    Ok(point_files(out, plan)?
-        .into_iter()
-        .filter_map(|f| match f {
-            Some(PointFile::Done(r)) => Some(*r),
-            _ => None,
-        })
-        .collect())
+    load_results(out, plan).map(|(done, _)| done)
 }
 
-/// The points of a sweep folder recorded as failed, in plan order.
-pub fn load_failed(out: &Path, plan: &Plan) -> Result<Vec<FailedPoint>, SweepError> {
-    Ok(point_files(out, plan)?
-        .into_iter()
-        .filter_map(|f| match f {
-            Some(PointFile::Failed { failed }) => Some(failed),
-            _ => None,
-        })
-        .collect())
+/// The finished points and the points recorded as failed, each in plan
+/// order, from one read of the point files.
+pub fn load_results(
+    out: &Path,
+    plan: &Plan,
+) -> Result<(Vec<PointResult>, Vec<FailedPoint>), SweepError> {
+    let (mut done, mut failed) = (Vec::new(), Vec::new());
+    for f in point_files(out, plan)?.into_iter().flatten() {
+        match f {
+            PointFile::Done(r) => done.push(*r),
+            PointFile::Failed { failed: f } => failed.push(f),
+        }
+    }
+    Ok((done, failed))
 }
 
 /// Write results.csv and summary.csv from the finished points, in plan

@@ -657,6 +657,8 @@ fn shards_cover_every_point_once_balanced_and_grouped_by_trace() {
     }
     // one shard: each trace once, in plan order
     assert!(plan.assignment(1).shard_of.iter().all(|&s| s == 0));
+    // the whole plan's cost is the one shard's load
+    assert_eq!(plan.estimated_cost(), plan.assignment(1).loads[0]);
     // four traces on four shards would leave the 512-token shard idle: the
     // 4,096-token trace is split and the small ones share a shard
     let a = plan.assignment(4);
