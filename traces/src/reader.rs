@@ -73,7 +73,7 @@ impl Trace {
                 return Err(TraceError::NotAFile { path });
             }
             let file = std::fs::File::open(&path).map_err(|e| TraceError::io(&path, e))?;
-            let actual = file.metadata().map_err(|e| TraceError::io(&path, e))?.len();
+            let actual = meta.len();
             if actual != entry.size {
                 return Err(TraceError::Size {
                     path,
