@@ -72,6 +72,16 @@ fn parse_span(s: &str) -> Result<Span, String> {
     })
 }
 
+impl CaptureArgs {
+    /// The settings one capture and every trace of a suite take from the flags.
+    fn apply(&self, opts: &mut CaptureOptions) {
+        opts.n_decode = self.decode;
+        opts.dtype = self.dtype;
+        opts.prefill_chunk = self.prefill_chunk;
+        opts.force = self.force;
+    }
+}
+
 pub(super) fn cmd_capture(a: CaptureArgs) -> Result<()> {
     let model_path = resolve_model(a.model.clone())?;
     if let Some(suite) = &a.suite {
@@ -112,11 +122,8 @@ pub(super) fn cmd_capture(a: CaptureArgs) -> Result<()> {
         opts.prompt_source = source;
     }
     opts.chat = a.chat;
-    opts.n_decode = a.decode;
-    opts.dtype = a.dtype;
-    opts.prefill_chunk = a.prefill_chunk;
     opts.attn_probs = a.attn_probs;
-    opts.force = a.force;
+    a.apply(&mut opts);
     opts.spans.extend(a.spans.iter().cloned());
     let bar = ProgressBar::new(0);
     bar.set_style(
@@ -220,10 +227,7 @@ fn capture_suite(a: &CaptureArgs, suite: &str, model_path: &Path) -> Result<()> 
         opts.spans = spans;
         opts.prompt_source = source;
         opts.chat = true;
-        opts.n_decode = a.decode;
-        opts.dtype = a.dtype;
-        opts.prefill_chunk = a.prefill_chunk;
-        opts.force = a.force;
+        a.apply(&mut opts);
         capture(&model, &opts, &mut |_| {})
             .with_context(|| format!("capturing {}", out.display()))?;
         made += 1;
