@@ -88,32 +88,22 @@ impl MiniCache {
                     } else {
                         32
                     };
-                    bits_a += restore(
-                        ca,
-                        e,
-                        half,
-                        0,
-                        m,
-                        retained,
-                        self.mean(),
-                        self.compact,
-                        idx,
-                        self.dir_bits(d),
-                        self.b_norm as u64,
-                    );
-                    bits_b += restore(
-                        cb,
-                        e,
-                        half,
-                        1,
-                        m,
-                        retained,
-                        self.mean(),
-                        self.compact,
-                        idx,
-                        self.dir_bits(d),
-                        self.b_norm as u64,
-                    );
+                    for (which, c, bits) in [(0, &mut *ca, &mut bits_a), (1, &mut *cb, &mut bits_b)]
+                    {
+                        *bits += restore(
+                            c,
+                            e,
+                            half,
+                            which,
+                            m,
+                            retained,
+                            self.mean(),
+                            self.compact,
+                            idx,
+                            self.dir_bits(d),
+                            self.b_norm as u64,
+                        );
+                    }
                 }
                 _ => {
                     bits_a += d * F16_BITS;
