@@ -21,6 +21,13 @@ mod weight;
 pub use backend::{Backend, DeviceRequest, Opened};
 pub use weight::Weight;
 
+/// Threads per block of every CUDA kernel that reduces across a block
+/// (`block_max`/`block_sum` in `cuda/prelude.cuh`). Defined here only: NVRTC
+/// gets it as `-DBLOCK=...`, and the launchers use this constant, so the two
+/// cannot differ. A power of two (the tree reductions halve it).
+pub const BLOCK: u32 = 256;
+const _: () = assert!(BLOCK.is_power_of_two());
+
 /// Where kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Device {

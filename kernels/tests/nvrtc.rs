@@ -2,7 +2,7 @@
 //! CUBIN (real device code) for sm_90. Needs libnvrtc (no GPU): CI fetches
 //! it with `scripts/fetch-nvrtc.sh` and sets KVREPLAY_NVRTC_LIB and
 //! KVREPLAY_REQUIRE_NVRTC=1, so there a missing library fails the test.
-#![cfg(feature = "cuda")]
+#![cfg(feature = "cuda")] // always on in tests: see the dev-dependency in Cargo.toml
 
 use kvreplay_kernels::cuda::nvrtc::{compile, nvrtc_available, Target, SOURCES};
 

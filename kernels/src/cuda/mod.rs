@@ -21,7 +21,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use crate::cpu::{AttentionStats, BlockType, RopeParams, RopeStyle};
-use crate::{KernelError, Weight};
+use crate::{KernelError, Weight, BLOCK};
 
 pub struct Cuda {
     _ctx: Arc<CudaContext>,
@@ -43,8 +43,8 @@ fn cu<E: std::fmt::Display>(op: &'static str) -> impl Fn(E) -> KernelError {
 
 fn grid_1d(n: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (n.div_ceil(256).max(1) as u32, 1, 1),
-        block_dim: (256, 1, 1),
+        grid_dim: (n.div_ceil(BLOCK as usize).max(1) as u32, 1, 1),
+        block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     }
 }
@@ -260,7 +260,7 @@ impl Cuda {
         let mut b = self.stream.launch_builder(self.f("rms_norm"));
         b.arg(&mut xd).arg(&wd).arg(&dim).arg(&eps);
         // SAFETY: one block per row of a (rows, dim) buffer.
-        unsafe { b.launch(rows(x.len() / w.len(), 256)) }.map_err(cu("rms_norm"))?;
+        unsafe { b.launch(rows(x.len() / w.len(), BLOCK)) }.map_err(cu("rms_norm"))?;
         self.down(&xd, x)
     }
 
@@ -335,7 +335,7 @@ impl Cuda {
             .arg(&p0)
             .arg(&scale);
         // SAFETY: one block per query row; q (c,d), k (n,d), p (c,n).
-        unsafe { b.launch(rows(c, 256)) }.map_err(cu("causal_softmax"))?;
+        unsafe { b.launch(rows(c, BLOCK)) }.map_err(cu("causal_softmax"))?;
         let mut b = self.stream.launch_builder(self.f("probs_times_v"));
         b.arg(&pd).arg(&vd).arg(&mut od).arg(&ni).arg(&di);
         // SAFETY: p (c,n), v (n,d), out (c,d).
@@ -396,7 +396,7 @@ impl Cuda {
             .arg(&di)
             .arg(&scale);
         // SAFETY: one block per query; shapes checked by the caller.
-        unsafe { b.launch(rows(nq, 256)) }.map_err(cu("attend_biased"))?;
+        unsafe { b.launch(rows(nq, BLOCK)) }.map_err(cu("attend_biased"))?;
         if n > 0 {
             self.down(&wd, w)?;
         }
@@ -439,7 +439,7 @@ impl Cuda {
             .arg(&di)
             .arg(&scale);
         // SAFETY: one block per row; lens <= n checked by the caller.
-        unsafe { b.launch(rows(r, 256)) }.map_err(cu("attention_rows"))?;
+        unsafe { b.launch(rows(r, BLOCK)) }.map_err(cu("attention_rows"))?;
         self.down(&od, out)
     }
 }

@@ -79,7 +79,7 @@ pub fn nvrtc_available() -> Result<(), String> {
     if unsafe { sys::is_culib_present() } {
         Ok(())
     } else {
-        Err("libnvrtc.so.12 was not found: install the CUDA 12 runtime compiler (e.g. `pip install nvidia-cuda-nvrtc-cu12`) and set KVREPLAY_NVRTC_LIB to its libnvrtc.so.12, or add its folder to LD_LIBRARY_PATH".into())
+        Err("libnvrtc (libnvrtc.so.13 or .so.12) was not found: install the CUDA runtime compiler (e.g. `pip install nvidia-cuda-nvrtc-cu12`, or `scripts/fetch-nvrtc.sh`) and set KVREPLAY_NVRTC_LIB to its libnvrtc.so.*, or add its folder to LD_LIBRARY_PATH".into())
     }
 }
 
@@ -100,6 +100,7 @@ pub fn compile(name: &str, src: &str, target: Target) -> Result<Vec<u8>, KernelE
         format!("--gpu-architecture={arch}"),
         "--fmad=false".to_string(),
         "--std=c++14".to_string(),
+        format!("-DBLOCK={}", crate::BLOCK),
     ];
     // SAFETY: `prog` was created above and is destroyed exactly once below.
     let out = unsafe {

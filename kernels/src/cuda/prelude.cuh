@@ -5,7 +5,11 @@ typedef unsigned char u8;
 typedef unsigned short u16;
 typedef long long i64;
 
-#define BLOCK 256
+// BLOCK, the thread count of every block-reduction kernel, is defined once in
+// Rust (kvreplay_kernels::BLOCK) and passed to NVRTC as -DBLOCK=...
+#ifndef BLOCK
+#error "BLOCK is not defined: compile through kvreplay_kernels::cuda::nvrtc::compile"
+#endif
 #define INFINITY __int_as_float(0x7f800000)
 
 __device__ __forceinline__ float h2f(u16 h) {
