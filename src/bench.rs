@@ -43,6 +43,7 @@ pub struct CaptureBench {
     pub decode: usize,
     pub reps: usize,
     pub dtype: Dtype,
+    pub device: kvreplay_kernels::DeviceRequest,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -56,18 +57,22 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 pub fn bench_capture(b: &CaptureBench) -> Result<()> {
-    let model =
+    let mut model =
         Model::load(&b.model).with_context(|| format!("loading model {}", b.model.display()))?;
+    model
+        .llama
+        .set_backend(crate::cli::common::open_device(b.device)?);
     let ids = filler_ids(&model, b.prompt_tokens)?;
     let dir = std::env::temp_dir().join(format!("kvreplay-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     println!(
-        "capture benchmark: {} prompt tokens + {} decode tokens, dtype {}, {} threads, {} reps",
+        "capture benchmark: {} prompt tokens + {} decode tokens, dtype {}, {} threads, {} reps, device {}",
         b.prompt_tokens,
         b.decode,
         b.dtype.name(),
         rayon::current_num_threads(),
-        b.reps
+        b.reps,
+        model.llama.backend.describe()
     );
     let (mut pre, mut dec) = (Vec::new(), Vec::new());
     for rep in 0..b.reps {

@@ -180,7 +180,7 @@ pub fn capture(
     // Prefill, `prefill_chunk` positions at a time; every query is a prompt query,
     // so the column sums accumulate here only.
     let start = std::time::Instant::now();
-    let mut colsum: Vec<Vec<f32>> = vec![vec![0f32; nh * p]; cfg.n_layers];
+    let mut colsum = model.llama.colsum_buffers(p)?; // per layer (n_heads, P), on the device
     let mut logits = Vec::new();
     let mut pos = 0;
     while pos < p {
@@ -224,6 +224,7 @@ pub fn capture(
     let decode_secs = start.elapsed().as_secs_f64();
 
     for (l, cs) in colsum.iter().enumerate() {
+        let cs = model.llama.backend.download(cs)?;
         for (head, row) in cs.chunks_exact(p).enumerate() {
             writer.layer(l).write_colsum(head, row);
         }

@@ -6,9 +6,8 @@
 //! `unpermute_rows`); we undo that at load time and apply NEOX ("rotate_half")
 //! RoPE, so captured q and k come out exactly as HF transformers computes them.
 
-use kvreplay_kernels::cpu::{argmax, AttentionStats, RopeParams, RopeStyle};
-use kvreplay_kernels::{Backend, KernelError, Weight};
-use rayon::prelude::*;
+use kvreplay_kernels::cpu::{argmax, RopeParams, RopeStyle};
+use kvreplay_kernels::{AttnShape, Backend, Buf, KernelError, Weight};
 
 use crate::gguf::GgufFile;
 use crate::CaptureError;
@@ -33,22 +32,22 @@ pub struct LlamaConfig {
 
 /// One transformer block. Shapes are (out_features, in_features), row-major.
 pub struct LayerWeights {
-    pub attn_norm: Vec<f32>, // (d_model,)
-    pub wq: Weight,          // (n_heads * head_dim, d_model), HF row order
-    pub wk: Weight,          // (n_kv_heads * head_dim, d_model), HF row order
-    pub wv: Weight,          // (n_kv_heads * head_dim, d_model)
-    pub wo: Weight,          // (d_model, n_heads * head_dim)
-    pub ffn_norm: Vec<f32>,  // (d_model,)
-    pub w_gate: Weight,      // (ffn_dim, d_model)
-    pub w_up: Weight,        // (ffn_dim, d_model)
-    pub w_down: Weight,      // (d_model, ffn_dim)
+    pub attn_norm: Weight, // (d_model,)
+    pub wq: Weight,        // (n_heads * head_dim, d_model), HF row order
+    pub wk: Weight,        // (n_kv_heads * head_dim, d_model), HF row order
+    pub wv: Weight,        // (n_kv_heads * head_dim, d_model)
+    pub wo: Weight,        // (d_model, n_heads * head_dim)
+    pub ffn_norm: Weight,  // (d_model,)
+    pub w_gate: Weight,    // (ffn_dim, d_model)
+    pub w_up: Weight,      // (ffn_dim, d_model)
+    pub w_down: Weight,    // (d_model, ffn_dim)
 }
 
 pub struct Llama {
     pub cfg: LlamaConfig,
     pub embed: Weight, // (vocab, d_model)
     pub layers: Vec<LayerWeights>,
-    pub out_norm: Vec<f32>,      // (d_model,)
+    pub out_norm: Weight,        // (d_model,)
     pub lm_head: Option<Weight>, // (vocab, d_model); None = tied to `embed`
     /// Where the forward pass runs (the CPU unless set with `set_backend`).
     pub backend: Backend,
@@ -206,7 +205,7 @@ impl Llama {
         );
         let (h, kv) = (cfg.n_heads as u64, cfg.n_kv_heads as u64);
         let embed = g.tensor_f32("token_embd.weight", &[d, v])?.into();
-        let out_norm = g.tensor_f32("output_norm.weight", &[d])?;
+        let out_norm = g.tensor_f32("output_norm.weight", &[d])?.into();
         let lm_head = match g.tensor_info("output.weight") {
             Some(_) => Some(g.tensor_f32("output.weight", &[d, v])?.into()),
             None => None,
@@ -217,7 +216,7 @@ impl Llama {
                     g.tensor_f32(&format!("blk.{l}.{name}.weight"), dims)
                 };
                 Ok(LayerWeights {
-                    attn_norm: t("attn_norm", &[d])?,
+                    attn_norm: t("attn_norm", &[d])?.into(),
                     wq: unpermute_rows(
                         &t("attn_q", &[d, h * hd])?,
                         cfg.n_heads,
@@ -234,7 +233,7 @@ impl Llama {
                     .into(),
                     wv: t("attn_v", &[d, kv * hd])?.into(),
                     wo: t("attn_output", &[h * hd, d])?.into(),
-                    ffn_norm: t("ffn_norm", &[d])?,
+                    ffn_norm: t("ffn_norm", &[d])?.into(),
                     w_gate: t("ffn_gate", &[d, f])?.into(),
                     w_up: t("ffn_up", &[d, f])?.into(),
                     w_down: t("ffn_down", &[f, d])?.into(),
@@ -257,22 +256,37 @@ impl Llama {
     }
 }
 
-/// Keys and values of every layer: per layer (n_kv_heads, capacity, head_dim).
+/// Keys and values of every layer: per layer (n_kv_heads, capacity, head_dim),
+/// on the device of the first forward pass that uses it.
 #[derive(Clone)]
 pub struct KvCache {
     pub capacity: usize,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    n_layers: usize,
+    per_layer: usize,
+    k: Vec<Buf>,
+    v: Vec<Buf>,
 }
 
 impl KvCache {
     pub fn new(cfg: &LlamaConfig, capacity: usize) -> KvCache {
-        let n = cfg.n_kv_heads * capacity * cfg.head_dim;
         KvCache {
             capacity,
-            k: (0..cfg.n_layers).map(|_| vec![0f32; n]).collect(),
-            v: (0..cfg.n_layers).map(|_| vec![0f32; n]).collect(),
+            n_layers: cfg.n_layers,
+            per_layer: cfg.n_kv_heads * capacity * cfg.head_dim,
+            k: Vec::new(),
+            v: Vec::new(),
         }
+    }
+
+    /// Allocate the buffers on `be` if this is the first use.
+    fn ready(&mut self, be: &Backend) -> Result<(), KernelError> {
+        if self.k.is_empty() {
+            for _ in 0..self.n_layers {
+                self.k.push(be.zeros(self.per_layer)?);
+                self.v.push(be.zeros(self.per_layer)?);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -290,8 +304,9 @@ pub struct LayerTaps<'a> {
 
 /// Per-call options of [`Llama::forward`].
 pub struct ForwardOptions<'a> {
-    /// Per layer (n_heads, n_tracked): accumulate each head's attention column sums.
-    pub colsum: Option<&'a mut [Vec<f32>]>,
+    /// Per layer (n_heads, n_tracked): accumulate each head's attention
+    /// column sums, in buffers made by [`Llama::colsum_buffers`].
+    pub colsum: Option<&'a mut [Buf]>,
     /// Produce attention probabilities in the taps.
     pub probs: bool,
     /// Replace attention over `cache` with this function (a compressed cache
@@ -305,30 +320,6 @@ pub struct ForwardOptions<'a> {
 /// See [`ForwardOptions::attention`].
 pub type ExternalAttention<'a> =
     dyn FnMut(usize, &[f32], &[f32], &[f32], &mut [f32]) -> Result<(), KernelError> + 'a;
-
-/// (c, heads * d) row-major  ->  (heads, c, d) head-major.
-fn to_head_major(x: &[f32], c: usize, heads: usize, d: usize) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
-    for t in 0..c {
-        for h in 0..heads {
-            out[(h * c + t) * d..(h * c + t + 1) * d]
-                .copy_from_slice(&x[(t * heads + h) * d..(t * heads + h + 1) * d]);
-        }
-    }
-    out
-}
-
-/// (heads, c, d) head-major  ->  (c, heads * d) row-major.
-fn from_head_major(x: &[f32], c: usize, heads: usize, d: usize) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
-    for t in 0..c {
-        for h in 0..heads {
-            out[(t * heads + h) * d..(t * heads + h + 1) * d]
-                .copy_from_slice(&x[(h * c + t) * d..(h * c + t + 1) * d]);
-        }
-    }
-    out
-}
 
 impl Llama {
     /// Run `tokens` at positions `pos0 ..` through the model, appending their
@@ -346,7 +337,6 @@ impl Llama {
         let be = &self.backend;
         let (c, dm, hd) = (tokens.len(), cfg.d_model, cfg.head_dim);
         let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
-        let group = nh / nkv;
         let n = match pos0.checked_add(c) {
             Some(n) if c > 0 && n <= cache.capacity => n,
             _ => {
@@ -360,106 +350,136 @@ impl Llama {
                 })
             }
         };
+        cache.ready(be)?;
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            c,
+            pos0,
+            cap: cache.capacity,
+            head_dim: hd,
+            scale: cfg.attn_scale,
+        };
+        // Host-device traffic per call: the token ids and the RoPE table go
+        // up; every layer's q, k, v and o come down together after the last
+        // layer (plus each layer's probabilities when asked), then the
+        // logits. Everything else stays where the backend computes.
+        let rope = be.rope_table(c, pos0, &cfg.rope, 1.0)?;
+        // Taps of every layer, gathered on the device: per layer q, k, v, o.
+        let (q_len, kv_len) = (nh * c * hd, nkv * c * hd);
+        let tap_len = 2 * (q_len + kv_len);
+        let mut tap_buf = if opts.attention.is_none() {
+            be.zeros(cfg.n_layers * tap_len)?
+        } else {
+            be.zeros(0)?
+        };
+        let mut pending_probs: Vec<Option<Buf>> = Vec::new();
         // x: (c, d_model) residual stream
-        let mut x = vec![0f32; c * dm];
-        be.embedding(&self.embed, dm, tokens, &mut x)?;
+        let mut x = be.embed(&self.embed, dm, tokens)?;
         for (l, w) in self.layers.iter().enumerate() {
-            let mut h = x.clone();
-            be.rms_norm(&mut h, &w.attn_norm, cfg.norm_eps)?;
-            let mut q = vec![0f32; c * nh * hd]; // (c, n_heads * head_dim)
-            let mut k = vec![0f32; c * nkv * hd]; // (c, n_kv_heads * head_dim)
-            let mut v = vec![0f32; c * nkv * hd];
-            be.linear(&h, &w.wq, &mut q, c, dm, nh * hd)?;
-            be.linear(&h, &w.wk, &mut k, c, dm, nkv * hd)?;
-            be.linear(&h, &w.wv, &mut v, c, dm, nkv * hd)?;
-            be.rope(&mut q, nh, hd, pos0, &cfg.rope, 1.0)?;
-            be.rope(&mut k, nkv, hd, pos0, &cfg.rope, 1.0)?;
-            let (q, k, v) = (
-                to_head_major(&q, c, nh, hd),
-                to_head_major(&k, c, nkv, hd),
-                to_head_major(&v, c, nkv, hd),
-            );
+            let h = be.norm(&x, &w.attn_norm, cfg.norm_eps)?;
+            let mut q = be.matmul(&h, &w.wq, c, dm, nh * hd)?; // (c, n_heads * head_dim)
+            let mut k = be.matmul(&h, &w.wk, c, dm, nkv * hd)?; // (c, n_kv_heads * head_dim)
+            let v = be.matmul(&h, &w.wv, c, dm, nkv * hd)?;
+            be.rotate(&mut q, nh, hd, &cfg.rope, &rope)?;
+            be.rotate(&mut k, nkv, hd, &cfg.rope, &rope)?;
+            // head-major: q (n_heads, c, d), k and v (n_kv_heads, c, d)
+            let q = be.transpose_heads(&q, c, nh, hd, true)?;
+            let k = be.transpose_heads(&k, c, nkv, hd, true)?;
+            let v = be.transpose_heads(&v, c, nkv, hd, true)?;
             let cap = cache.capacity;
             for g in 0..nkv {
-                let dst = (g * cap + pos0) * hd;
-                cache.k[l][dst..dst + c * hd].copy_from_slice(&k[g * c * hd..(g + 1) * c * hd]);
-                cache.v[l][dst..dst + c * hd].copy_from_slice(&v[g * c * hd..(g + 1) * c * hd]);
+                let (src, dst) = (g * c * hd, (g * cap + pos0) * hd);
+                be.copy_within(&k, src, &mut cache.k[l], dst, c * hd)?;
+                be.copy_within(&v, src, &mut cache.v[l], dst, c * hd)?;
             }
-            // Attention, one task per query head: o (n_heads, c, head_dim).
-            let mut o = vec![0f32; nh * c * hd];
-            let mut probs = if opts.probs {
-                vec![0f32; nh * c * n]
+            let mut probs = if opts.probs && opts.attention.is_none() {
+                Some(be.zeros(nh * c * n)?)
             } else {
-                Vec::new()
+                None
             };
-            let colsum = opts.colsum.as_deref_mut().map(|cs| cs[l].as_mut_slice());
-            let n_tracked = colsum.as_ref().map(|s| s.len() / nh).unwrap_or(0);
-            let mut colsum_heads: Vec<Option<&mut [f32]>> = match colsum {
-                Some(s) => s.chunks_mut(n_tracked.max(1)).map(Some).collect(),
-                None => (0..nh).map(|_| None).collect(),
-            };
-            let mut probs_heads: Vec<Option<&mut [f32]>> = if opts.probs {
-                probs.chunks_mut(c * n).map(Some).collect()
+            // o: (n_heads, c, head_dim)
+            let o = if let Some(f) = opts.attention.as_deref_mut() {
+                // Closed-loop validation attends on the host, layer by layer.
+                let (qh, kh, vh) = (be.download(&q)?, be.download(&k)?, be.download(&v)?);
+                let mut o = vec![0f32; nh * c * hd];
+                f(l, &qh, &kh, &vh, &mut o)?;
+                taps(LayerTaps {
+                    layer: l,
+                    pos0,
+                    q: &qh,
+                    k: &kh,
+                    v: &vh,
+                    o: &o,
+                    probs: None,
+                });
+                be.upload(&o)?
             } else {
-                (0..nh).map(|_| None).collect()
+                let colsum = opts.colsum.as_deref_mut().map(|cs| &mut cs[l]);
+                let o =
+                    be.attention(&q, &cache.k[l], &cache.v[l], shape, colsum, probs.as_mut())?;
+                // Gather this layer's taps on the device; they come down
+                // together after the last layer, so the host never waits on
+                // the device inside the layer loop.
+                let at = l * tap_len;
+                for (buf, off, len) in [
+                    (&q, 0, q_len),
+                    (&k, q_len, kv_len),
+                    (&v, q_len + kv_len, kv_len),
+                    (&o, q_len + 2 * kv_len, q_len),
+                ] {
+                    be.copy_within(buf, 0, &mut tap_buf, at + off, len)?;
+                }
+                pending_probs.push(probs.take());
+                o
             };
-            let (kc, vc) = (&cache.k[l], &cache.v[l]);
-            if let Some(f) = opts.attention.as_deref_mut() {
-                f(l, &q, &k, &v, &mut o)?;
-            } else {
-                o.par_chunks_mut(c * hd)
-                    .zip(colsum_heads.par_iter_mut())
-                    .zip(probs_heads.par_iter_mut())
-                    .enumerate()
-                    .try_for_each(|(head, ((out, cs), pr))| {
-                        let g = head / group;
-                        let kv = g * cap * hd..(g * cap + n) * hd;
-                        be.causal_attention_head(
-                            &q[head * c * hd..(head + 1) * c * hd],
-                            &kc[kv.clone()],
-                            &vc[kv],
-                            hd,
-                            pos0,
-                            cfg.attn_scale,
-                            out,
-                            AttentionStats {
-                                colsum: cs.as_deref_mut(),
-                                probs: pr.as_deref_mut(),
-                            },
-                        )
-                    })?;
-            }
-            taps(LayerTaps {
-                layer: l,
-                pos0,
-                q: &q,
-                k: &k,
-                v: &v,
-                o: &o,
-                probs: opts.probs.then_some(probs.as_slice()),
-            });
-            let o_rows = from_head_major(&o, c, nh, hd);
-            let mut attn = vec![0f32; c * dm];
-            be.linear(&o_rows, &w.wo, &mut attn, c, nh * hd, dm)?;
-            x.iter_mut().zip(&attn).for_each(|(a, b)| *a += b);
+            let o_rows = be.transpose_heads(&o, c, nh, hd, false)?;
+            let attn = be.matmul(&o_rows, &w.wo, c, nh * hd, dm)?;
+            be.add_assign(&mut x, &attn)?;
             // SwiGLU MLP
-            let mut h = x.clone();
-            be.rms_norm(&mut h, &w.ffn_norm, cfg.norm_eps)?;
-            let mut gate = vec![0f32; c * cfg.ffn_dim];
-            let mut up = vec![0f32; c * cfg.ffn_dim];
-            be.linear(&h, &w.w_gate, &mut gate, c, dm, cfg.ffn_dim)?;
-            be.linear(&h, &w.w_up, &mut up, c, dm, cfg.ffn_dim)?;
-            be.silu_mul(&mut gate, &up)?;
-            let mut down = vec![0f32; c * dm];
-            be.linear(&gate, &w.w_down, &mut down, c, cfg.ffn_dim, dm)?;
-            x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
+            let h = be.norm(&x, &w.ffn_norm, cfg.norm_eps)?;
+            let mut gate = be.matmul(&h, &w.w_gate, c, dm, cfg.ffn_dim)?;
+            let up = be.matmul(&h, &w.w_up, c, dm, cfg.ffn_dim)?;
+            be.swiglu(&mut gate, &up)?;
+            let down = be.matmul(&gate, &w.w_down, c, cfg.ffn_dim, dm)?;
+            be.add_assign(&mut x, &down)?;
         }
-        let mut last = x[(c - 1) * dm..].to_vec();
-        be.rms_norm(&mut last, &self.out_norm, cfg.norm_eps)?;
+        if !pending_probs.is_empty() {
+            let host = be.download(&tap_buf)?;
+            for (l, probs) in pending_probs.iter().enumerate() {
+                let t = &host[l * tap_len..(l + 1) * tap_len];
+                let (q, rest) = t.split_at(q_len);
+                let (k, rest) = rest.split_at(kv_len);
+                let (v, o) = rest.split_at(kv_len);
+                let probs = match probs {
+                    Some(p) => Some(be.download(p)?),
+                    None => None,
+                };
+                taps(LayerTaps {
+                    layer: l,
+                    pos0,
+                    q,
+                    k,
+                    v,
+                    o,
+                    probs: probs.as_deref(),
+                });
+            }
+        }
+        let mut last = be.zeros(dm)?;
+        be.copy_within(&x, (c - 1) * dm, &mut last, 0, dm)?;
+        let last = be.norm(&last, &self.out_norm, cfg.norm_eps)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let mut logits = vec![0f32; cfg.vocab_size];
-        be.linear(&last, head, &mut logits, 1, dm, cfg.vocab_size)?;
-        Ok(logits)
+        let logits = be.matmul(&last, head, 1, dm, cfg.vocab_size)?;
+        Ok(be.download(&logits)?.into_owned())
+    }
+
+    /// Column-sum accumulators for [`ForwardOptions::colsum`]: per layer
+    /// (n_heads, n_tracked) zeros on this model's backend.
+    pub fn colsum_buffers(&self, n_tracked: usize) -> Result<Vec<Buf>, KernelError> {
+        (0..self.cfg.n_layers)
+            .map(|_| self.backend.zeros(self.cfg.n_heads * n_tracked))
+            .collect()
     }
 
     /// Greedy next token from logits.
@@ -477,13 +497,5 @@ mod tests {
         // one head, head_dim 4, one column: GGUF rows [a0 b0 a1 b1] -> HF [a0 a1 b0 b1]
         let w = vec![10.0, 20.0, 11.0, 21.0];
         assert_eq!(unpermute_rows(&w, 1, 4, 1), vec![10.0, 11.0, 20.0, 21.0]);
-    }
-
-    #[test]
-    fn head_major_round_trip() {
-        let x: Vec<f32> = (0..24).map(|i| i as f32).collect(); // (c=2, heads=3, d=4)
-        let hm = to_head_major(&x, 2, 3, 4);
-        assert_eq!(&hm[4..8], &x[12..16]); // head 0, position 1
-        assert_eq!(from_head_major(&hm, 2, 3, 4), x);
     }
 }

@@ -127,7 +127,11 @@ impl Backend {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.embedding(table, dim, ids, out),
+            Backend::Cuda(_) => {
+                let b = self.embed(table, dim, ids)?;
+                out.copy_from_slice(&self.download(&b)?);
+                Ok(())
+            }
         }
     }
 
@@ -159,7 +163,11 @@ impl Backend {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.linear(x, w, out, m, k, n),
+            Backend::Cuda(_) => {
+                let b = self.matmul(&self.upload(x)?, w, m, k, n)?;
+                out.copy_from_slice(&self.download(&b)?);
+                Ok(())
+            }
         }
     }
 
@@ -176,7 +184,11 @@ impl Backend {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.rms_norm(x, w, eps),
+            Backend::Cuda(_) => {
+                let b = self.norm(&self.upload(x)?, &Weight::new(w.to_vec()), eps)?;
+                x.copy_from_slice(&self.download(&b)?);
+                Ok(())
+            }
         }
     }
 
@@ -191,7 +203,12 @@ impl Backend {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.silu_mul(gate, up),
+            Backend::Cuda(_) => {
+                let mut g = self.upload(gate)?;
+                self.swiglu(&mut g, &self.upload(up)?)?;
+                gate.copy_from_slice(&self.download(&g)?);
+                Ok(())
+            }
         }
     }
 
@@ -207,17 +224,34 @@ impl Backend {
         sign: f64,
     ) -> Result<(), KernelError> {
         let row = n_heads * head_dim;
-        check(row > 0 && x.len().is_multiple_of(row), "rope", || {
-            "x is not (rows, n_heads, head_dim)".into()
-        })?;
-        let table = cpu::rope_table(x.len() / row, pos0, p, sign);
+        check(
+            row > 0
+                && x.len().is_multiple_of(row)
+                && p.rotated_dims <= head_dim
+                && p.rotated_dims.is_multiple_of(2),
+            "rope",
+            || {
+                format!(
+                    "x {} is not (rows, {n_heads}, {head_dim}), or rotated_dims {} is odd or above head_dim",
+                    x.len(),
+                    p.rotated_dims
+                )
+            },
+        )?;
         match self {
             Backend::Cpu => {
+                let table = cpu::rope_table(x.len() / row, pos0, p, sign);
                 cpu::rotate_with_table(x, n_heads, head_dim, p.style, p.rotated_dims, &table);
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.rope(x, n_heads, head_dim, p, &table),
+            Backend::Cuda(_) => {
+                let table = self.rope_table(x.len() / row, pos0, p, sign)?;
+                let mut b = self.upload(x)?;
+                self.rotate(&mut b, n_heads, head_dim, p, &table)?;
+                x.copy_from_slice(&self.download(&b)?);
+                Ok(())
+            }
         }
     }
 
@@ -235,7 +269,8 @@ impl Backend {
         out: &mut [f32],
         stats: AttentionStats<'_>,
     ) -> Result<(), KernelError> {
-        let c = q.len() / d.max(1);
+        check(d > 0, "attention", || "head_dim is 0".into())?;
+        let c = q.len() / d;
         let n = pos0 + c;
         check(
             q.len() == c * d && k.len() >= n * d && v.len() >= n * d && out.len() == c * d,
@@ -261,8 +296,42 @@ impl Backend {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(cu) => {
-                cu.causal_attention_head(q, &k[..n * d], &v[..n * d], d, pos0, scale, out, stats)
+            Backend::Cuda(_) => {
+                // One head over a plain (n, d) key block: heads = 1, cap = n.
+                let shape = crate::AttnShape {
+                    n_heads: 1,
+                    n_kv_heads: 1,
+                    c,
+                    pos0,
+                    cap: n,
+                    head_dim: d,
+                    scale,
+                };
+                let mut stats = stats;
+                let mut cs = match stats.colsum.as_deref() {
+                    Some(cs) => Some(self.upload(cs)?),
+                    None => None,
+                };
+                let mut pr = match stats.probs.as_deref() {
+                    Some(p) => Some(self.zeros(p.len())?),
+                    None => None,
+                };
+                let o = self.attention(
+                    &self.upload(q)?,
+                    &self.upload(&k[..n * d])?,
+                    &self.upload(&v[..n * d])?,
+                    shape,
+                    cs.as_mut(),
+                    pr.as_mut(),
+                )?;
+                out.copy_from_slice(&self.download(&o)?);
+                if let (Some(dst), Some(src)) = (stats.colsum.as_deref_mut(), &cs) {
+                    dst.copy_from_slice(&self.download(src)?);
+                }
+                if let (Some(dst), Some(src)) = (stats.probs.as_deref_mut(), &pr) {
+                    dst.copy_from_slice(&self.download(src)?);
+                }
+                Ok(())
             }
         }
     }
@@ -315,7 +384,8 @@ impl Backend {
         scale: f32,
         out: &mut [f32],
     ) -> Result<(), KernelError> {
-        let (r, n) = (lens.len(), keys.len() / d.max(1));
+        check(d > 0, "attention_rows", || "head_dim is 0".into())?;
+        let (r, n) = (lens.len(), keys.len() / d);
         check(
             q.len() == r * d
                 && gains.len() == r
@@ -335,7 +405,11 @@ impl Backend {
     }
 }
 
-fn check(ok: bool, op: &'static str, msg: impl FnOnce() -> String) -> Result<(), KernelError> {
+pub(crate) fn check(
+    ok: bool,
+    op: &'static str,
+    msg: impl FnOnce() -> String,
+) -> Result<(), KernelError> {
     if ok {
         Ok(())
     } else {

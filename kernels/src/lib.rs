@@ -16,9 +16,11 @@ mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod resident;
 mod weight;
 
 pub use backend::{Backend, DeviceRequest, Opened};
+pub use resident::{transfers, AttnShape, Buf};
 pub use weight::Weight;
 
 /// Threads per block of every CUDA kernel that reduces across a block
@@ -27,6 +29,11 @@ pub use weight::Weight;
 /// cannot differ. A power of two (the tree reductions halve it).
 pub const BLOCK: u32 = 256;
 const _: () = assert!(BLOCK.is_power_of_two());
+
+/// Keys per split of the CUDA attention's product with v (`probs_times_v`):
+/// partial sums over fixed runs of keys, added in order by `sum_splits`.
+/// Passed to NVRTC as `-DKEY_SPLIT=...`.
+pub const KEY_SPLIT: u32 = 64;
 
 /// Where kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

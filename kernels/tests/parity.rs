@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 
 use half::f16;
 use kvreplay_kernels::cpu::{AttentionStats, BlockType, RopeParams, RopeStyle};
-use kvreplay_kernels::{Backend, DeviceRequest, Weight};
+use kvreplay_kernels::{AttnShape, Backend, DeviceRequest, Weight};
 
 fn cuda() -> &'static Result<Backend, String> {
     static CUDA: OnceLock<Result<Backend, String>> = OnceLock::new();
@@ -427,6 +427,141 @@ fn parity_causal_attention_with_column_sums_and_probs() {
         close(&probs, &want_p, |i| 1e-5 * want_p[i] + 1e-9, "probs");
         close(&out, &want_out, |_| 2e-6, "out");
         close(&colsum, &want_cs, |_| 2e-6 * c as f64, "colsum");
+    }
+}
+
+#[test]
+fn parity_layer_attention_all_heads_in_one_call() {
+    // The forward pass's batched attention: 6 query heads over 2 KV heads
+    // (group 3) in a cache with spare capacity, a chunk at pos0 > 0, column
+    // sums tracked over fewer columns than keys, probabilities on.
+    for b in backends("parity_layer_attention_all_heads_in_one_call") {
+        let mut r = Rng(11);
+        let (nh, nkv, d, pos0, c, cap, tracked) = (6, 2, 20, 70, 9, 100, 75);
+        let n = pos0 + c;
+        let (q, k, v) = (
+            r.vec(nh * c * d),
+            r.vec(nkv * cap * d),
+            r.vec(nkv * cap * d),
+        );
+        let scale = 1.0 / (d as f32).sqrt();
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            c,
+            pos0,
+            cap,
+            head_dim: d,
+            scale,
+        };
+        let mut cs = b.upload(&vec![0.25f32; nh * tracked]).unwrap();
+        let mut pr = b.zeros(nh * c * n).unwrap();
+        let o = b
+            .attention(
+                &b.upload(&q).unwrap(),
+                &b.upload(&k).unwrap(),
+                &b.upload(&v).unwrap(),
+                shape,
+                Some(&mut cs),
+                Some(&mut pr),
+            )
+            .unwrap();
+        let (o, cs, pr) = (
+            b.download(&o).unwrap().into_owned(),
+            b.download(&cs).unwrap().into_owned(),
+            b.download(&pr).unwrap().into_owned(),
+        );
+        for h in 0..nh {
+            let g = h / (nh / nkv);
+            let (kh, vh) = (
+                &k[g * cap * d..(g * cap + n) * d],
+                &v[g * cap * d..(g * cap + n) * d],
+            );
+            let p = ref_probs(
+                &q[h * c * d..(h + 1) * c * d],
+                kh,
+                d,
+                pos0,
+                scale as f64,
+                &[1.0; 9],
+            );
+            let mut want_o = vec![0f64; c * d];
+            let mut want_p = vec![0f64; c * n];
+            let mut want_cs = vec![0.25f64; tracked];
+            for i in 0..c {
+                for (j, pj) in p[i].iter().enumerate() {
+                    want_p[i * n + j] = *pj;
+                    if j < tracked {
+                        want_cs[j] += pj;
+                    }
+                    for t in 0..d {
+                        want_o[i * d + t] += pj * vh[j * d + t] as f64;
+                    }
+                }
+            }
+            // tolerances as in parity_causal_attention_with_column_sums_and_probs
+            let what = |x: &str| format!("head {h} {x}");
+            close(
+                &pr[h * c * n..(h + 1) * c * n],
+                &want_p,
+                |i| 1e-5 * want_p[i] + 1e-9,
+                &what("probs"),
+            );
+            close(
+                &o[h * c * d..(h + 1) * c * d],
+                &want_o,
+                |_| 2e-6,
+                &what("out"),
+            );
+            close(
+                &cs[h * tracked..(h + 1) * tracked],
+                &want_cs,
+                |_| 2e-6 * c as f64,
+                &what("colsum"),
+            );
+        }
+    }
+}
+
+#[test]
+fn parity_residual_add_transpose_and_copy() {
+    // Data movement and an element-wise add: exact on every device.
+    for b in backends("parity_residual_add_transpose_and_copy") {
+        let mut r = Rng(12);
+        let (c, heads, d) = (7, 3, 5);
+        let x = r.vec(c * heads * d);
+        let y = r.vec(c * heads * d);
+        let mut xb = b.upload(&x).unwrap();
+        b.add_assign(&mut xb, &b.upload(&y).unwrap()).unwrap();
+        let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+        assert_eq!(*b.download(&xb).unwrap(), sum[..], "add");
+        let hm = b
+            .transpose_heads(&b.upload(&x).unwrap(), c, heads, d, true)
+            .unwrap();
+        let hm_host = b.download(&hm).unwrap().into_owned();
+        for t in 0..c {
+            for h in 0..heads {
+                for e in 0..d {
+                    assert_eq!(
+                        hm_host[(h * c + t) * d + e],
+                        x[(t * heads + h) * d + e],
+                        "to heads"
+                    );
+                }
+            }
+        }
+        let back = b.transpose_heads(&hm, c, heads, d, false).unwrap();
+        assert_eq!(*b.download(&back).unwrap(), x[..], "round trip");
+        let mut dst = b.zeros(40).unwrap();
+        b.copy_within(&b.upload(&x).unwrap(), 3, &mut dst, 10, 12)
+            .unwrap();
+        let got = b.download(&dst).unwrap();
+        assert_eq!(got[10..22], x[3..15]);
+        assert!(got[..10].iter().chain(&got[22..]).all(|&v| v == 0.0));
+        // Empty buffers are fine everywhere (CUDA refuses 0-byte allocations).
+        let e = b.upload(&[]).unwrap();
+        assert!(b.download(&e).unwrap().is_empty());
+        assert!(b.transpose_heads(&e, 0, heads, d, true).unwrap().is_empty());
     }
 }
 

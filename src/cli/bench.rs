@@ -21,6 +21,9 @@ pub(super) enum BenchCmd {
         reps: usize,
         #[arg(long, default_value = "f16")]
         dtype: Dtype,
+        /// Where to compute: cpu, cuda or auto
+        #[arg(long, default_value = "cpu")]
+        device: kvreplay_kernels::DeviceRequest,
     },
     /// Replay speed: one (policy, budget) point and a sweep of every policy over 6 budgets.
     Replay {

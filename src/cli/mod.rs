@@ -191,12 +191,14 @@ pub fn run() -> Result<()> {
             decode,
             reps,
             dtype,
+            device,
         }) => crate::bench::bench_capture(&crate::bench::CaptureBench {
             model: resolve_model(model)?,
             prompt_tokens,
             decode,
             reps: reps.max(1),
             dtype,
+            device,
         }),
     }
 }

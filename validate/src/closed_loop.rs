@@ -41,7 +41,7 @@ pub fn prefill(model: &Model, prompt: &[u32], capacity: usize) -> Result<Prefill
     let mut q = vec![vec![0f32; nh * p * d]; nl];
     let mut k = vec![vec![0f32; nkv * p * d]; nl];
     let mut v = vec![vec![0f32; nkv * p * d]; nl];
-    let mut colsum = vec![vec![0f32; nh * p]; nl];
+    let mut colsum_dev = model.llama.colsum_buffers(p)?;
     let mut logits = Vec::new();
     let mut pos = 0;
     while pos < p {
@@ -61,7 +61,7 @@ pub fn prefill(model: &Model, prompt: &[u32], capacity: usize) -> Result<Prefill
             }
         };
         let fo = ForwardOptions {
-            colsum: Some(&mut colsum),
+            colsum: Some(&mut colsum_dev),
             probs: false,
             attention: None,
         };
@@ -70,6 +70,10 @@ pub fn prefill(model: &Model, prompt: &[u32], capacity: usize) -> Result<Prefill
             .forward(&prompt[pos..end], pos, &mut cache, fo, &mut sink)?;
         pos = end;
     }
+    let colsum = colsum_dev
+        .iter()
+        .map(|b| model.llama.backend.download(b).map(|c| c.into_owned()))
+        .collect::<Result<Vec<_>, _>>()?;
     let all = Arc::new(colsum.clone());
     let layers = (0..nl)
         .map(|l| LayerData {

@@ -2,20 +2,26 @@
 // (decode queries over a compressed cache with per-entry logit bias; scoring
 // rows). CPU twins: kernels/src/cpu/attention.rs, kernels/src/cpu/decode.rs.
 
-// Causal softmax rows: p (c, n) for queries q (c, d) at positions pos0 + i over
-// keys k (n, d), n = pos0 + c. One BLOCK per query row. exp in f32 of
+// Causal attention of every head of a layer, batched: blockIdx.y is the
+// query head h, which reads KV head h / group. q (heads, c, d); k, v
+// (kv_heads, cap, d) caches holding keys 0 .. n - 1, n = pos0 + c; p (heads,
+// c, n). A single head over a plain (n, d) key block is heads = group = 1,
+// cap = n.
+//
+// Causal softmax rows: one BLOCK per (query row, head). exp in f32 of
 // (s * scale - max * scale), normaliser summed in f64, zeros above the diagonal.
-extern "C" __global__ void causal_softmax(const float* q, const float* k, float* p, int n, int d,
-                                          int pos0, float scale) {
+extern "C" __global__ void causal_softmax(const float* q, const float* k, float* p, int c, int n,
+                                          int d, int pos0, int cap, int group, float scale) {
     __shared__ float shf[BLOCK];
     __shared__ double shd[BLOCK];
-    int i = blockIdx.x;
+    int i = blockIdx.x, h = blockIdx.y;
     int valid = pos0 + i + 1;
-    const float* qi = q + (i64)i * d;
-    float* row = p + (i64)i * n;
+    const float* qi = q + ((i64)h * c + i) * d;
+    const float* kh = k + (i64)(h / group) * cap * d;
+    float* row = p + ((i64)h * c + i) * n;
     float mx = -INFINITY;
     for (int j = threadIdx.x; j < n; j += BLOCK) {
-        float s = j < valid ? dot_seq(qi, k + (i64)j * d, d) : 0.0f;
+        float s = j < valid ? dot_seq(qi, kh + (i64)j * d, d) : 0.0f;
         row[j] = s;
         if (j < valid) mx = fmaxf(mx, s);
     }
@@ -31,25 +37,48 @@ extern "C" __global__ void causal_softmax(const float* q, const float* k, float*
     for (int j = threadIdx.x; j < n; j += BLOCK) row[j] = j < valid ? row[j] * inv : 0.0f;
 }
 
-// out (c, d) = p (c, n) . v (n, d); one block per row, threads over d, sum in
-// key order.
-extern "C" __global__ void probs_times_v(const float* p, const float* v, float* out, int n, int d) {
-    int i = blockIdx.x;
-    const float* row = p + (i64)i * n;
+// Split-K product with v: part (heads, c, splits, d) holds, for split s,
+// sum over keys j in [s * KEY_SPLIT, min(n, (s + 1) * KEY_SPLIT)) of
+// p[h, i, j] * v[j] in key order; blockIdx = (row, head, split), threads over
+// d. Splitting the keys keeps a decode step (one row) from summing thousands
+// of keys in one thread; the split size is fixed (not the GPU's), so results
+// do not depend on the device.
+extern "C" __global__ void probs_times_v(const float* p, const float* v, float* part, int c, int n,
+                                         int d, int cap, int group) {
+    int i = blockIdx.x, h = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+    const float* row = p + ((i64)h * c + i) * n;
+    const float* vh = v + (i64)(h / group) * cap * d;
+    int j0 = sp * KEY_SPLIT, j1 = min(n, j0 + KEY_SPLIT);
     for (int t = threadIdx.x; t < d; t += blockDim.x) {
         float acc = 0.0f;
-        for (int j = 0; j < n; ++j) acc += row[j] * v[(i64)j * d + t];
-        out[(i64)i * d + t] = acc;
+        for (int j = j0; j < j1; ++j) acc += row[j] * vh[(i64)j * d + t];
+        part[(((i64)h * c + i) * splits + sp) * d + t] = acc;
     }
 }
 
-// colsum[j] += sum_i p[i, j] for j < m, rows added in order (as the CPU does).
-extern "C" __global__ void column_sums(const float* p, float* colsum, int c, int n, int m) {
+// out (rows, d) = the sum over splits of part (rows, splits, d), in split
+// order; one thread per output element.
+extern "C" __global__ void sum_splits(const float* part, float* out, int rows, int splits, int d) {
+    i64 e = global_id();
+    if (e >= (i64)rows * d) return;
+    i64 r = e / d;
+    int t = (int)(e % d);
+    float acc = 0.0f;
+    for (int sp = 0; sp < splits; ++sp) acc += part[(r * splits + sp) * d + t];
+    out[e] = acc;
+}
+
+// colsum (heads, tracked): colsum[h, j] += sum_i p[h, i, j] for j < m, rows
+// added in order (as the CPU does); blockIdx.y is the head.
+extern "C" __global__ void column_sums(const float* p, float* colsum, int c, int n, int m,
+                                       int tracked) {
     i64 j = global_id();
     if (j >= m) return;
-    float acc = colsum[j];
-    for (int i = 0; i < c; ++i) acc += p[(i64)i * n + j];
-    colsum[j] = acc;
+    int h = blockIdx.y;
+    const float* ph = p + (i64)h * c * n;
+    float acc = colsum[(i64)h * tracked + j];
+    for (int i = 0; i < c; ++i) acc += ph[(i64)i * n + j];
+    colsum[(i64)h * tracked + j] = acc;
 }
 
 // Decode queries over a cache with logit bias. q (nq, d); keys, vals (n, d);

@@ -48,6 +48,35 @@ extern "C" __global__ void rope(float* x, const float* table, int rows, int n_he
     head[b] = x1 * c + x0 * s;
 }
 
+// x += y, element-wise (the residual stream). CPU twin: the add in
+// Backend::add_assign (kernels/src/resident.rs).
+extern "C" __global__ void add_inplace(float* x, const float* y, i64 n) {
+    i64 i = global_id();
+    if (i >= n) return;
+    x[i] += y[i];
+}
+
+// (c, heads, d) row-major <-> (heads, c, d) head-major; one thread per
+// element of the output. to_heads: row-major in, head-major out.
+// CPU twin: Backend::transpose_heads (kernels/src/resident.rs).
+extern "C" __global__ void transpose_heads(const float* x, float* out, int c, int heads, int d,
+                                           int to_heads) {
+    i64 i = global_id();
+    i64 n = (i64)c * heads * d;
+    if (i >= n) return;
+    int e = (int)(i % d);
+    i64 r = i / d;
+    if (to_heads) {
+        // out index (h, t, e) <- x (t, h, e)
+        int t = (int)(r % c), h = (int)(r / c);
+        out[i] = x[((i64)t * heads + h) * d + e];
+    } else {
+        // out index (t, h, e) <- x (h, t, e)
+        int h = (int)(r % heads), t = (int)(r / heads);
+        out[i] = x[((i64)h * c + t) * d + e];
+    }
+}
+
 // Fallback product when cuBLAS is absent: out[m, n] = x[m, k] . w[n, k]^T,
 // 16x16 tiles, each output summed in k order.
 #define TILE 16

@@ -5,13 +5,15 @@
 //! sources) and is checked against the same independent reference by the
 //! parity tests in `kernels/tests/parity.rs`.
 //!
-//! Operations are serialised by a lock: capture and replay call them from
-//! rayon workers, and one stream with blocking copies keeps them simple and
-//! ordered.
+//! Capture's forward pass runs on [`Buf`]s that stay on the device
+//! (`crate::resident`); replay's host-slice operations copy in and out. All
+//! work goes to one stream, so its order is the program order; nothing is
+//! serialised by a lock except the cuBLAS handle.
 
 pub mod nvrtc;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{sys::cublasOperation_t as Op, CudaBlas, Gemm, GemmConfig};
@@ -20,20 +22,27 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use crate::cpu::{AttentionStats, BlockType, RopeParams, RopeStyle};
-use crate::{KernelError, Weight, BLOCK};
+use crate::cpu::{BlockType, RopeParams, RopeStyle};
+use crate::resident::{AttnShape, Buf};
+use crate::{KernelError, Weight, BLOCK, KEY_SPLIT};
 
 pub struct Cuda {
     _ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    blas: Option<CudaBlas>,
+    /// cuBLAS handles are not safe to drive from two threads at once; this
+    /// lock covers the handle only (kernels and copies are not serialised).
+    blas: Option<Mutex<CudaBlas>>,
     funcs: HashMap<&'static str, CudaFunction>,
     name: String,
-    lock: Mutex<()>,
+    /// The kernel launched last (an index into `funcs`' names), named in the
+    /// error of a later failing copy: kernel faults surface asynchronously.
+    last: AtomicUsize,
+    names: Vec<&'static str>,
 }
 
-// SAFETY: cudarc's handles are used only under `lock`; the cuBLAS handle is
-// bound to `stream`, which is itself thread-safe in cudarc.
+// SAFETY: cudarc's context and stream are thread-safe (every call binds the
+// context to the calling thread and enqueues on the one stream, whose order
+// CUDA keeps); the cuBLAS handle is only used under its lock.
 unsafe impl Send for Cuda {}
 unsafe impl Sync for Cuda {}
 
@@ -50,8 +59,13 @@ fn grid_1d(n: usize) -> LaunchConfig {
 }
 
 fn rows(r: usize, threads: u32) -> LaunchConfig {
+    rows_heads(r, 1, threads)
+}
+
+/// One block per (row, head): grid (rows, heads).
+fn rows_heads(r: usize, heads: usize, threads: u32) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (r.max(1) as u32, 1, 1),
+        grid_dim: (r.max(1) as u32, heads.max(1) as u32, 1),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -61,6 +75,26 @@ fn rows(r: usize, threads: u32) -> LaunchConfig {
 pub fn driver_present() -> bool {
     // SAFETY: only probes whether libcuda can be dlopen'ed.
     unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+fn dev(b: &Buf) -> Result<&CudaSlice<f32>, KernelError> {
+    match b {
+        Buf::Dev(s, _) => Ok(s),
+        Buf::Host(_) => Err(KernelError::Shape {
+            op: "cuda",
+            msg: "a host buffer was given to the CUDA backend".into(),
+        }),
+    }
+}
+
+fn dev_mut(b: &mut Buf) -> Result<&mut CudaSlice<f32>, KernelError> {
+    match b {
+        Buf::Dev(s, _) => Ok(s),
+        Buf::Host(_) => Err(KernelError::Shape {
+            op: "cuda",
+            msg: "a host buffer was given to the CUDA backend".into(),
+        }),
+    }
 }
 
 impl Cuda {
@@ -76,9 +110,14 @@ impl Cuda {
         let ctx = CudaContext::new(0).map_err(|e| {
             KernelError::Unavailable(format!("CUDA device 0 could not be opened: {e}"))
         })?;
+        // One stream, so stream order is the only order: cudarc's per-buffer
+        // events (two per allocation) buy nothing here.
+        // SAFETY: every buffer is used on `stream` only.
+        unsafe { ctx.disable_event_tracking() };
         let (maj, min) = ctx.compute_capability().map_err(cu("compute capability"))?;
         let arch: &'static str = Box::leak(format!("sm_{maj}{min}").into_boxed_str());
         let mut funcs = HashMap::new();
+        let mut names = Vec::new();
         for (file, src, kernels) in nvrtc::SOURCES {
             let cubin = nvrtc::compile(file, src, nvrtc::Target::Cubin(arch))?;
             let module = ctx
@@ -86,12 +125,13 @@ impl Cuda {
                 .map_err(cu("load module"))?;
             for k in *kernels {
                 funcs.insert(*k, module.load_function(k).map_err(cu("load function"))?);
+                names.push(*k);
             }
         }
         let stream = ctx.default_stream();
         // SAFETY: only probes whether libcublas can be dlopen'ed.
         let blas = if unsafe { cudarc::cublas::sys::is_culib_present() } {
-            CudaBlas::new(stream.clone()).ok()
+            CudaBlas::new(stream.clone()).ok().map(Mutex::new)
         } else {
             None
         };
@@ -110,7 +150,8 @@ impl Cuda {
             blas,
             funcs,
             name,
-            lock: Mutex::new(()),
+            last: AtomicUsize::new(usize::MAX),
+            names,
         })
     }
 
@@ -118,12 +159,35 @@ impl Cuda {
         self.name.clone()
     }
 
-    fn f(&self, name: &str) -> &CudaFunction {
+    fn f(&self, name: &'static str) -> &CudaFunction {
+        if let Some(i) = self.names.iter().position(|n| *n == name) {
+            self.last.store(i, Ordering::Relaxed);
+        }
         &self.funcs[name]
     }
 
+    /// An error from a synchronising call: kernel faults are reported by the
+    /// next call that waits for the stream, so name the last kernel launched.
+    fn sync_err<E: std::fmt::Display>(&self, op: &'static str) -> impl Fn(E) -> KernelError + '_ {
+        move |e| {
+            let last = self
+                .names
+                .get(self.last.load(Ordering::Relaxed))
+                .copied()
+                .unwrap_or("none");
+            KernelError::Cuda(format!(
+                "{op}: {e} (CUDA reports kernel faults at the next synchronising call; the last kernel launched was `{last}`; rerun with CUDA_LAUNCH_BLOCKING=1 to stop at the faulting launch)"
+            ))
+        }
+    }
+
     fn up<T: cudarc::driver::DeviceRepr>(&self, x: &[T]) -> Result<CudaSlice<T>, KernelError> {
-        self.stream.clone_htod(x).map_err(cu("copy to device"))
+        if x.is_empty() {
+            return self.raw::<T>(0);
+        }
+        self.stream
+            .clone_htod(x)
+            .map_err(self.sync_err("copy to device"))
     }
 
     fn down<T: cudarc::driver::DeviceRepr>(
@@ -131,14 +195,28 @@ impl Cuda {
         d: &CudaSlice<T>,
         out: &mut [T],
     ) -> Result<(), KernelError> {
-        self.stream.memcpy_dtoh(d, out).map_err(cu("copy to host"))
+        if out.is_empty() {
+            return Ok(());
+        }
+        let src = d.slice(..out.len());
+        self.stream
+            .memcpy_dtoh(&src, out)
+            .map_err(self.sync_err("copy to host"))
     }
 
+    /// A zeroed device buffer; at least one element, since CUDA refuses
+    /// 0-byte allocations (the logical length is kept beside it in `Buf`).
     fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         &self,
         n: usize,
     ) -> Result<CudaSlice<T>, KernelError> {
         self.stream.alloc_zeros::<T>(n.max(1)).map_err(cu("alloc"))
+    }
+
+    /// An uninitialised device buffer (every element is written before it is read).
+    fn raw<T: cudarc::driver::DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>, KernelError> {
+        // SAFETY: callers write every element before reading it.
+        unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(cu("alloc"))
     }
 
     fn resident<'w>(&self, w: &'w Weight) -> Result<&'w CudaSlice<f32>, KernelError> {
@@ -149,13 +227,299 @@ impl Cuda {
         Ok(w.dev.get().expect("set above"))
     }
 
+    // ---- resident operations (kernels/src/resident.rs) ----
+
+    pub fn zeros_buf(&self, n: usize) -> Result<Buf, KernelError> {
+        Ok(Buf::Dev(self.zeros(n)?, n))
+    }
+
+    pub fn upload(&self, x: &[f32]) -> Result<Buf, KernelError> {
+        Ok(Buf::Dev(self.up(x)?, x.len()))
+    }
+
+    pub fn download(&self, b: &Buf) -> Result<Vec<f32>, KernelError> {
+        let mut out = vec![0f32; b.len()];
+        self.down(dev(b)?, &mut out)?;
+        Ok(out)
+    }
+
+    pub fn embed(&self, table: &Weight, dim: usize, ids: &[u32]) -> Result<Buf, KernelError> {
+        let t = self.resident(table)?;
+        let n = ids.len() * dim;
+        let mut o = self.raw::<f32>(n)?;
+        if n > 0 {
+            let d_ids = self.up(ids)?;
+            let (dim_i, n_i) = (dim as i32, n as i64);
+            let mut b = self.stream.launch_builder(self.f("embedding"));
+            b.arg(t).arg(&d_ids).arg(&mut o).arg(&dim_i).arg(&n_i);
+            // SAFETY: ids were checked against the table by the caller.
+            unsafe { b.launch(grid_1d(n)) }.map_err(cu("embedding"))?;
+        }
+        Ok(Buf::Dev(o, n))
+    }
+
+    pub fn matmul(
+        &self,
+        x: &Buf,
+        w: &Weight,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<Buf, KernelError> {
+        let wd = self.resident(w)?;
+        let xd = dev(x)?;
+        if m * n == 0 {
+            return self.zeros_buf(m * n);
+        }
+        if k == 0 {
+            return self.zeros_buf(m * n);
+        }
+        let mut od = self.raw::<f32>(m * n)?;
+        match &self.blas {
+            Some(blas) => {
+                // Row-major out[m,n] = x[m,k]·w[n,k]ᵀ is column-major
+                // outᵀ[n,m] = op_T(w as k×n)·(x as k×m).
+                let cfg = GemmConfig {
+                    transa: Op::CUBLAS_OP_T,
+                    transb: Op::CUBLAS_OP_N,
+                    m: n as i32,
+                    n: m as i32,
+                    k: k as i32,
+                    alpha: 1.0f32,
+                    lda: k as i32,
+                    ldb: k as i32,
+                    beta: 0.0f32,
+                    ldc: n as i32,
+                };
+                let blas = blas.lock().unwrap_or_else(|e| e.into_inner());
+                // SAFETY: buffers hold n·k, m·k and m·n elements (checked by the caller).
+                unsafe { blas.gemm(cfg, wd, xd, &mut od) }.map_err(cu("cublas sgemm"))?;
+            }
+            None => {
+                let (mi, ki, ni) = (m as i32, k as i32, n as i32);
+                let cfg = LaunchConfig {
+                    grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
+                    block_dim: (16, 16, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = self.stream.launch_builder(self.f("linear_tiled"));
+                b.arg(xd).arg(wd).arg(&mut od).arg(&mi).arg(&ki).arg(&ni);
+                // SAFETY: as above.
+                unsafe { b.launch(cfg) }.map_err(cu("linear"))?;
+            }
+        }
+        Ok(Buf::Dev(od, m * n))
+    }
+
+    pub fn norm(&self, x: &Buf, w: &Weight, eps: f32) -> Result<Buf, KernelError> {
+        let wd = self.resident(w)?;
+        let n = x.len();
+        let mut od = self.raw::<f32>(n)?;
+        if n == 0 {
+            return Ok(Buf::Dev(od, 0));
+        }
+        self.stream
+            .memcpy_dtod(&dev(x)?.slice(..n), &mut od)
+            .map_err(cu("copy on device"))?;
+        let dim = w.len() as i32;
+        let mut b = self.stream.launch_builder(self.f("rms_norm"));
+        b.arg(&mut od).arg(wd).arg(&dim).arg(&eps);
+        // SAFETY: one block per row of a (rows, dim) buffer.
+        unsafe { b.launch(rows(n / w.len(), BLOCK)) }.map_err(cu("rms_norm"))?;
+        Ok(Buf::Dev(od, n))
+    }
+
+    pub fn add_assign(&self, x: &mut Buf, y: &Buf) -> Result<(), KernelError> {
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let n_i = n as i64;
+        let yd = dev(y)?;
+        let xd = dev_mut(x)?;
+        let mut b = self.stream.launch_builder(self.f("add_inplace"));
+        b.arg(xd).arg(yd).arg(&n_i);
+        // SAFETY: both buffers hold n elements (checked by the caller).
+        unsafe { b.launch(grid_1d(n)) }.map_err(cu("add"))?;
+        Ok(())
+    }
+
+    pub fn swiglu(&self, gate: &mut Buf, up: &Buf) -> Result<(), KernelError> {
+        let n = gate.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let n_i = n as i64;
+        let ud = dev(up)?;
+        let gd = dev_mut(gate)?;
+        let mut b = self.stream.launch_builder(self.f("silu_mul"));
+        b.arg(gd).arg(ud).arg(&n_i);
+        // SAFETY: both buffers hold n elements.
+        unsafe { b.launch(grid_1d(n)) }.map_err(cu("silu_mul"))?;
+        Ok(())
+    }
+
+    pub fn rotate(
+        &self,
+        x: &mut Buf,
+        n_heads: usize,
+        head_dim: usize,
+        p: &RopeParams,
+        table: &Buf,
+    ) -> Result<(), KernelError> {
+        let r = x.len() / (n_heads * head_dim);
+        let half = p.rotated_dims / 2;
+        if half == 0 || r == 0 {
+            return Ok(());
+        }
+        let td = dev(table)?;
+        let xd = dev_mut(x)?;
+        let (ri, hi, di, hf) = (r as i32, n_heads as i32, head_dim as i32, half as i32);
+        let inter = (p.style == RopeStyle::Interleaved) as i32;
+        let mut b = self.stream.launch_builder(self.f("rope"));
+        b.arg(xd)
+            .arg(td)
+            .arg(&ri)
+            .arg(&hi)
+            .arg(&di)
+            .arg(&hf)
+            .arg(&inter);
+        // SAFETY: one thread per (row, head, pair), all inside x and table
+        // (rotated_dims <= head_dim and the table's length checked by the caller).
+        unsafe { b.launch(grid_1d(r * n_heads * half)) }.map_err(cu("rope"))?;
+        Ok(())
+    }
+
+    pub fn transpose_heads(
+        &self,
+        x: &Buf,
+        c: usize,
+        heads: usize,
+        d: usize,
+        to_heads: bool,
+    ) -> Result<Buf, KernelError> {
+        let n = c * heads * d;
+        let mut od = self.raw::<f32>(n)?;
+        if n > 0 {
+            let (ci, hi, di, ti) = (c as i32, heads as i32, d as i32, to_heads as i32);
+            let mut b = self.stream.launch_builder(self.f("transpose_heads"));
+            b.arg(dev(x)?)
+                .arg(&mut od)
+                .arg(&ci)
+                .arg(&hi)
+                .arg(&di)
+                .arg(&ti);
+            // SAFETY: one thread per element of two (c, heads, d) buffers.
+            unsafe { b.launch(grid_1d(n)) }.map_err(cu("transpose_heads"))?;
+        }
+        Ok(Buf::Dev(od, n))
+    }
+
+    pub fn copy_within(
+        &self,
+        src: &Buf,
+        src_at: usize,
+        dst: &mut Buf,
+        dst_at: usize,
+        len: usize,
+    ) -> Result<(), KernelError> {
+        if len == 0 {
+            return Ok(());
+        }
+        let s = dev(src)?.slice(src_at..src_at + len);
+        let mut d = dev_mut(dst)?.slice_mut(dst_at..dst_at + len);
+        self.stream
+            .memcpy_dtod(&s, &mut d)
+            .map_err(cu("copy on device"))
+    }
+
+    /// See [`crate::Backend::attention`]; shapes were checked by the caller.
+    pub fn attention(
+        &self,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        s: AttnShape,
+        colsum: Option<&mut Buf>,
+        probs: Option<&mut Buf>,
+    ) -> Result<Buf, KernelError> {
+        let (nh, c, d) = (s.n_heads, s.c, s.head_dim);
+        let n = s.pos0 + c;
+        let group = (nh / s.n_kv_heads) as i32;
+        let (ci, ni, di, p0, capi) = (c as i32, n as i32, d as i32, s.pos0 as i32, s.cap as i32);
+        let mut scratch;
+        let pd: &mut CudaSlice<f32> = match probs {
+            Some(p) => dev_mut(p)?,
+            None => {
+                scratch = self.raw::<f32>(nh * c * n)?;
+                &mut scratch
+            }
+        };
+        let mut b = self.stream.launch_builder(self.f("causal_softmax"));
+        b.arg(dev(q)?)
+            .arg(dev(k)?)
+            .arg(&mut *pd)
+            .arg(&ci)
+            .arg(&ni)
+            .arg(&di)
+            .arg(&p0)
+            .arg(&capi)
+            .arg(&group)
+            .arg(&s.scale);
+        // SAFETY: one block per (query row, head); q (nh,c,d), k (nkv,cap,d)
+        // with n <= cap, p (nh,c,n).
+        unsafe { b.launch(rows_heads(c, nh, BLOCK)) }.map_err(cu("causal_softmax"))?;
+        let splits = n.div_ceil(KEY_SPLIT as usize);
+        let mut part = self.raw::<f32>(nh * c * splits * d)?;
+        let mut b = self.stream.launch_builder(self.f("probs_times_v"));
+        b.arg(&*pd)
+            .arg(dev(v)?)
+            .arg(&mut part)
+            .arg(&ci)
+            .arg(&ni)
+            .arg(&di)
+            .arg(&capi)
+            .arg(&group);
+        let mut cfg = rows_heads(c, nh, (d.next_power_of_two() as u32).clamp(32, BLOCK));
+        cfg.grid_dim.2 = splits as u32;
+        // SAFETY: p (nh,c,n), v (nkv,cap,d), part (nh,c,splits,d); every key
+        // index is below n <= cap.
+        unsafe { b.launch(cfg) }.map_err(cu("probs_times_v"))?;
+        let mut od = self.raw::<f32>(nh * c * d)?;
+        let (ri, si) = ((nh * c) as i32, splits as i32);
+        let mut b = self.stream.launch_builder(self.f("sum_splits"));
+        b.arg(&part).arg(&mut od).arg(&ri).arg(&si).arg(&di);
+        // SAFETY: one thread per element of out (nh·c, d).
+        unsafe { b.launch(grid_1d(nh * c * d)) }.map_err(cu("sum_splits"))?;
+        if let Some(cs) = colsum {
+            let tracked = cs.len() / nh;
+            let m = tracked.min(n);
+            if m > 0 {
+                let (mi, ti) = (m as i32, tracked as i32);
+                let mut b = self.stream.launch_builder(self.f("column_sums"));
+                b.arg(&*pd)
+                    .arg(dev_mut(cs)?)
+                    .arg(&ci)
+                    .arg(&ni)
+                    .arg(&mi)
+                    .arg(&ti);
+                let mut cfg = grid_1d(m);
+                cfg.grid_dim.1 = nh as u32;
+                // SAFETY: one thread per (tracked column j < m <= n, head).
+                unsafe { b.launch(cfg) }.map_err(cu("column_sums"))?;
+            }
+        }
+        Ok(Buf::Dev(od, nh * c * d))
+    }
+
+    // ---- host-slice operations (replay) ----
+
     pub fn dequantize(
         &self,
         ty: BlockType,
         src: &[u8],
         out: &mut [f32],
     ) -> Result<(), KernelError> {
-        let _g = self.lock.lock().unwrap();
         let (be, bb) = (ty.block_elems(), ty.block_bytes());
         if !out.len().is_multiple_of(be) || src.len() != out.len() / be * bb {
             return Err(KernelError::Shape {
@@ -185,177 +549,6 @@ impl Cuda {
         self.down(&o, out)
     }
 
-    pub fn embedding(
-        &self,
-        table: &Weight,
-        dim: usize,
-        ids: &[u32],
-        out: &mut [f32],
-    ) -> Result<(), KernelError> {
-        let _g = self.lock.lock().unwrap();
-        let t = self.resident(table)?;
-        let d_ids = self.up(ids)?;
-        let mut o = self.zeros::<f32>(out.len())?;
-        let (dim_i, n) = (dim as i32, out.len() as i64);
-        let mut b = self.stream.launch_builder(self.f("embedding"));
-        b.arg(t).arg(&d_ids).arg(&mut o).arg(&dim_i).arg(&n);
-        // SAFETY: ids were checked against the table by the caller.
-        unsafe { b.launch(grid_1d(out.len())) }.map_err(cu("embedding"))?;
-        self.down(&o, out)
-    }
-
-    pub fn linear(
-        &self,
-        x: &[f32],
-        w: &Weight,
-        out: &mut [f32],
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<(), KernelError> {
-        let _g = self.lock.lock().unwrap();
-        let wd = self.resident(w)?;
-        let xd = self.up(x)?;
-        let mut od = self.zeros::<f32>(m * n)?;
-        match &self.blas {
-            Some(blas) => {
-                // Row-major out[m,n] = x[m,k]·w[n,k]ᵀ is column-major
-                // outᵀ[n,m] = op_T(w as k×n)·(x as k×m).
-                let cfg = GemmConfig {
-                    transa: Op::CUBLAS_OP_T,
-                    transb: Op::CUBLAS_OP_N,
-                    m: n as i32,
-                    n: m as i32,
-                    k: k as i32,
-                    alpha: 1.0f32,
-                    lda: k as i32,
-                    ldb: k as i32,
-                    beta: 0.0f32,
-                    ldc: n as i32,
-                };
-                // SAFETY: buffers hold n·k, m·k and m·n elements (checked by the caller).
-                unsafe { blas.gemm(cfg, wd, &xd, &mut od) }.map_err(cu("cublas sgemm"))?;
-            }
-            None => {
-                let (mi, ki, ni) = (m as i32, k as i32, n as i32);
-                let cfg = LaunchConfig {
-                    grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
-                    block_dim: (16, 16, 1),
-                    shared_mem_bytes: 0,
-                };
-                let mut b = self.stream.launch_builder(self.f("linear_tiled"));
-                b.arg(&xd).arg(wd).arg(&mut od).arg(&mi).arg(&ki).arg(&ni);
-                // SAFETY: as above.
-                unsafe { b.launch(cfg) }.map_err(cu("linear"))?;
-            }
-        }
-        self.down(&od, out)
-    }
-
-    pub fn rms_norm(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<(), KernelError> {
-        let _g = self.lock.lock().unwrap();
-        let mut xd = self.up(x)?;
-        let wd = self.up(w)?;
-        let dim = w.len() as i32;
-        let mut b = self.stream.launch_builder(self.f("rms_norm"));
-        b.arg(&mut xd).arg(&wd).arg(&dim).arg(&eps);
-        // SAFETY: one block per row of a (rows, dim) buffer.
-        unsafe { b.launch(rows(x.len() / w.len(), BLOCK)) }.map_err(cu("rms_norm"))?;
-        self.down(&xd, x)
-    }
-
-    pub fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<(), KernelError> {
-        let _g = self.lock.lock().unwrap();
-        let mut gd = self.up(gate)?;
-        let ud = self.up(up)?;
-        let n = gate.len() as i64;
-        let mut b = self.stream.launch_builder(self.f("silu_mul"));
-        b.arg(&mut gd).arg(&ud).arg(&n);
-        // SAFETY: both buffers hold n elements.
-        unsafe { b.launch(grid_1d(gate.len())) }.map_err(cu("silu_mul"))?;
-        self.down(&gd, gate)
-    }
-
-    pub fn rope(
-        &self,
-        x: &mut [f32],
-        n_heads: usize,
-        head_dim: usize,
-        p: &RopeParams,
-        table: &[f32],
-    ) -> Result<(), KernelError> {
-        let _g = self.lock.lock().unwrap();
-        let r = x.len() / (n_heads * head_dim);
-        let half = p.rotated_dims / 2;
-        if half == 0 || r == 0 {
-            return Ok(());
-        }
-        let mut xd = self.up(x)?;
-        let td = self.up(table)?;
-        let (ri, hi, di, hf) = (r as i32, n_heads as i32, head_dim as i32, half as i32);
-        let inter = (p.style == RopeStyle::Interleaved) as i32;
-        let mut b = self.stream.launch_builder(self.f("rope"));
-        b.arg(&mut xd)
-            .arg(&td)
-            .arg(&ri)
-            .arg(&hi)
-            .arg(&di)
-            .arg(&hf)
-            .arg(&inter);
-        // SAFETY: one thread per (row, head, pair), all inside x and table.
-        unsafe { b.launch(grid_1d(r * n_heads * half)) }.map_err(cu("rope"))?;
-        self.down(&xd, x)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub fn causal_attention_head(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        d: usize,
-        pos0: usize,
-        scale: f32,
-        out: &mut [f32],
-        mut stats: AttentionStats<'_>,
-    ) -> Result<(), KernelError> {
-        let _g = self.lock.lock().unwrap();
-        let c = q.len() / d;
-        let n = pos0 + c;
-        let (qd, kd, vd) = (self.up(q)?, self.up(k)?, self.up(v)?);
-        let mut pd = self.zeros::<f32>(c * n)?;
-        let mut od = self.zeros::<f32>(c * d)?;
-        let (ni, di, p0) = (n as i32, d as i32, pos0 as i32);
-        let mut b = self.stream.launch_builder(self.f("causal_softmax"));
-        b.arg(&qd)
-            .arg(&kd)
-            .arg(&mut pd)
-            .arg(&ni)
-            .arg(&di)
-            .arg(&p0)
-            .arg(&scale);
-        // SAFETY: one block per query row; q (c,d), k (n,d), p (c,n).
-        unsafe { b.launch(rows(c, BLOCK)) }.map_err(cu("causal_softmax"))?;
-        let mut b = self.stream.launch_builder(self.f("probs_times_v"));
-        b.arg(&pd).arg(&vd).arg(&mut od).arg(&ni).arg(&di);
-        // SAFETY: p (c,n), v (n,d), out (c,d).
-        unsafe { b.launch(rows(c, 128)) }.map_err(cu("probs_times_v"))?;
-        if let Some(colsum) = stats.colsum.as_deref_mut() {
-            let m = colsum.len().min(n);
-            let mut cd = self.up(&colsum[..m])?;
-            let (ci, mi) = (c as i32, m as i32);
-            let mut b = self.stream.launch_builder(self.f("column_sums"));
-            b.arg(&pd).arg(&mut cd).arg(&ci).arg(&ni).arg(&mi);
-            // SAFETY: one thread per tracked column j < m <= n.
-            unsafe { b.launch(grid_1d(m)) }.map_err(cu("column_sums"))?;
-            self.down(&cd, &mut colsum[..m])?;
-        }
-        if let Some(probs) = stats.probs.as_deref_mut() {
-            self.down(&pd, probs)?;
-        }
-        self.down(&od, out)
-    }
-
     #[allow(clippy::too_many_arguments)]
     pub fn attend_biased(
         &self,
@@ -368,7 +561,6 @@ impl Cuda {
         z: &mut [f64],
         out: &mut [f32],
     ) -> Result<(), KernelError> {
-        let _g = self.lock.lock().unwrap();
         let (nq, n) = (z.len(), bias.len());
         if nq == 0 {
             return Ok(());
@@ -415,7 +607,6 @@ impl Cuda {
         scale: f32,
         out: &mut [f32],
     ) -> Result<(), KernelError> {
-        let _g = self.lock.lock().unwrap();
         let (r, n) = (lens.len(), keys.len() / d);
         if r == 0 || n == 0 {
             return Ok(());

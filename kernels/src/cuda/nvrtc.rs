@@ -34,7 +34,15 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
         "layer.cu",
         include_str!("layer.cu"),
-        &["embedding", "rms_norm", "silu_mul", "rope", "linear_tiled"],
+        &[
+            "embedding",
+            "rms_norm",
+            "silu_mul",
+            "rope",
+            "add_inplace",
+            "transpose_heads",
+            "linear_tiled",
+        ],
     ),
     (
         "attention.cu",
@@ -42,6 +50,7 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
         &[
             "causal_softmax",
             "probs_times_v",
+            "sum_splits",
             "column_sums",
             "attend_biased",
             "attention_rows",
@@ -101,6 +110,7 @@ pub fn compile(name: &str, src: &str, target: Target) -> Result<Vec<u8>, KernelE
         "--fmad=false".to_string(),
         "--std=c++14".to_string(),
         format!("-DBLOCK={}", crate::BLOCK),
+        format!("-DKEY_SPLIT={}", crate::KEY_SPLIT),
     ];
     // SAFETY: `prog` was created above and is destroyed exactly once below.
     let out = unsafe {

@@ -10,6 +10,9 @@ typedef long long i64;
 #ifndef BLOCK
 #error "BLOCK is not defined: compile through kvreplay_kernels::cuda::nvrtc::compile"
 #endif
+#ifndef KEY_SPLIT
+#error "KEY_SPLIT is not defined: compile through kvreplay_kernels::cuda::nvrtc::compile"
+#endif
 #define INFINITY __int_as_float(0x7f800000)
 
 __device__ __forceinline__ float h2f(u16 h) {

@@ -1,0 +1,542 @@
+//! Buffers that live where the backend computes, and the forward-pass
+//! operations on them.
+//!
+//! A [`Buf`] is host memory on the CPU backend and device memory on CUDA.
+//! Capture's forward pass keeps its activations, KV cache and column sums in
+//! `Buf`s, so data crosses the host-device bus only where the caller asks for
+//! it: [`Backend::upload`], [`Backend::download`], the token ids of
+//! [`Backend::embed`] and the RoPE table of [`Backend::rope_table`]. Those four
+//! are counted per thread ([`transfers`]) on every backend, so a CPU test can
+//! check how often a forward pass would cross the bus on a GPU.
+//!
+//! Shapes are row-major and written beside each operation. The CPU versions
+//! call the same `cpu::` kernels in the same order as the host-slice API, so a
+//! CPU forward pass is bit-identical either way.
+
+use std::borrow::Cow;
+use std::cell::Cell;
+
+use rayon::prelude::*;
+
+use crate::backend::check;
+use crate::cpu::{self, AttentionStats, RopeParams};
+use crate::{Backend, KernelError, Weight};
+
+/// An f32 buffer on the backend's device.
+pub enum Buf {
+    Host(Vec<f32>),
+    #[cfg(feature = "cuda")]
+    Dev(cudarc::driver::CudaSlice<f32>, usize),
+}
+
+impl Buf {
+    pub fn len(&self) -> usize {
+        match self {
+            Buf::Host(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            Buf::Dev(_, n) => *n,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub(crate) fn host(&self) -> &[f32] {
+        match self {
+            Buf::Host(v) => v,
+            #[cfg(feature = "cuda")]
+            Buf::Dev(..) => unreachable!("a device buffer reached the CPU backend"),
+        }
+    }
+
+    pub(crate) fn host_mut(&mut self) -> &mut [f32] {
+        match self {
+            Buf::Host(v) => v,
+            #[cfg(feature = "cuda")]
+            Buf::Dev(..) => unreachable!("a device buffer reached the CPU backend"),
+        }
+    }
+}
+
+impl Clone for Buf {
+    /// A copy on the same device (device-to-device for CUDA; panics only if
+    /// the device runs out of memory, as cudarc's clone does).
+    fn clone(&self) -> Buf {
+        match self {
+            Buf::Host(v) => Buf::Host(v.clone()),
+            #[cfg(feature = "cuda")]
+            Buf::Dev(s, n) => Buf::Dev(s.clone(), *n),
+        }
+    }
+}
+
+impl std::fmt::Debug for Buf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Buf::Host(v) => write!(f, "Buf::Host({} f32)", v.len()),
+            #[cfg(feature = "cuda")]
+            Buf::Dev(_, n) => write!(f, "Buf::Dev({n} f32)"),
+        }
+    }
+}
+
+/// Host-device transfers made by this thread through the resident API.
+pub mod transfers {
+    use super::Cell;
+
+    thread_local! {
+        static COUNTS: Cell<Transfers> = const { Cell::new(Transfers { to_device: 0, to_host: 0 }) };
+    }
+
+    /// Counts of transfers (calls, not bytes).
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct Transfers {
+        pub to_device: u64,
+        pub to_host: u64,
+    }
+
+    impl std::ops::Sub for Transfers {
+        type Output = Transfers;
+        fn sub(self, o: Transfers) -> Transfers {
+            Transfers {
+                to_device: self.to_device - o.to_device,
+                to_host: self.to_host - o.to_host,
+            }
+        }
+    }
+
+    /// This thread's counts so far.
+    pub fn now() -> Transfers {
+        COUNTS.with(|c| c.get())
+    }
+
+    pub(crate) fn to_device() {
+        COUNTS.with(|c| {
+            let mut t = c.get();
+            t.to_device += 1;
+            c.set(t)
+        });
+    }
+
+    pub(crate) fn to_host() {
+        COUNTS.with(|c| {
+            let mut t = c.get();
+            t.to_host += 1;
+            c.set(t)
+        });
+    }
+}
+
+/// The shape of one layer's attention in [`Backend::attention`].
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    /// New positions (queries) in this call.
+    pub c: usize,
+    /// Position of the first query; keys 0 .. pos0 + c are attended.
+    pub pos0: usize,
+    /// Positions the cache holds per KV head (its second dimension).
+    pub cap: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+impl Backend {
+    /// A zeroed buffer of `n` elements.
+    pub fn zeros(&self, n: usize) -> Result<Buf, KernelError> {
+        match self {
+            Backend::Cpu => Ok(Buf::Host(vec![0f32; n])),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.zeros_buf(n),
+        }
+    }
+
+    /// Copy `x` to the device (counted).
+    pub fn upload(&self, x: &[f32]) -> Result<Buf, KernelError> {
+        transfers::to_device();
+        match self {
+            Backend::Cpu => Ok(Buf::Host(x.to_vec())),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.upload(x),
+        }
+    }
+
+    /// The contents of `b` on the host (counted; borrowed on the CPU).
+    pub fn download<'b>(&self, b: &'b Buf) -> Result<Cow<'b, [f32]>, KernelError> {
+        transfers::to_host();
+        match b {
+            Buf::Host(v) => Ok(Cow::Borrowed(v)),
+            #[cfg(feature = "cuda")]
+            Buf::Dev(..) => match self {
+                Backend::Cuda(c) => c.download(b).map(Cow::Owned),
+                Backend::Cpu => Err(not_here("download")),
+            },
+        }
+    }
+
+    /// (ids.len(), dim) = rows `ids` of `table` (vocab, dim); the ids travel
+    /// to the device (counted).
+    pub fn embed(&self, table: &Weight, dim: usize, ids: &[u32]) -> Result<Buf, KernelError> {
+        check(
+            ids.iter().all(|&i| (i as usize + 1) * dim <= table.len()),
+            "embedding",
+            || {
+                format!(
+                    "an id is outside the table of {} rows",
+                    table.len() / dim.max(1)
+                )
+            },
+        )?;
+        transfers::to_device();
+        match self {
+            Backend::Cpu => {
+                let mut out = vec![0f32; ids.len() * dim];
+                cpu::embedding(table, dim, ids, &mut out);
+                Ok(Buf::Host(out))
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.embed(table, dim, ids),
+        }
+    }
+
+    /// (m, n) = x (m, k) · w (n, k)ᵀ.
+    pub fn matmul(
+        &self,
+        x: &Buf,
+        w: &Weight,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<Buf, KernelError> {
+        check(x.len() == m * k && w.len() == n * k, "linear", || {
+            format!("x {} w {} for m={m} k={k} n={n}", x.len(), w.len())
+        })?;
+        match self {
+            Backend::Cpu => {
+                let mut out = vec![0f32; m * n];
+                cpu::linear(x.host(), w, &mut out, m, k, n);
+                Ok(Buf::Host(out))
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.matmul(x, w, m, k, n),
+        }
+    }
+
+    /// RMSNorm of each row of x (rows, w.len()) into a new buffer.
+    pub fn norm(&self, x: &Buf, w: &Weight, eps: f32) -> Result<Buf, KernelError> {
+        check(
+            !w.is_empty() && x.len().is_multiple_of(w.len()),
+            "rms_norm",
+            || "x is not (rows, dim)".into(),
+        )?;
+        match self {
+            Backend::Cpu => {
+                let mut out = x.host().to_vec();
+                cpu::rms_norm(&mut out, w, eps);
+                Ok(Buf::Host(out))
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.norm(x, w, eps),
+        }
+    }
+
+    /// x += y, element-wise.
+    pub fn add_assign(&self, x: &mut Buf, y: &Buf) -> Result<(), KernelError> {
+        check(x.len() == y.len(), "add", || {
+            "x and y differ in length".into()
+        })?;
+        match self {
+            Backend::Cpu => {
+                x.host_mut()
+                    .iter_mut()
+                    .zip(y.host())
+                    .for_each(|(a, b)| *a += b);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.add_assign(x, y),
+        }
+    }
+
+    /// gate = silu(gate) · up.
+    pub fn swiglu(&self, gate: &mut Buf, up: &Buf) -> Result<(), KernelError> {
+        check(gate.len() == up.len(), "silu_mul", || {
+            "gate and up differ in length".into()
+        })?;
+        match self {
+            Backend::Cpu => {
+                cpu::silu_mul(gate.host_mut(), up.host());
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.swiglu(gate, up),
+        }
+    }
+
+    /// The (rows, rotated_dims / 2, 2) cos/sin table for positions
+    /// pos0 .. pos0 + rows, on the device (counted).
+    pub fn rope_table(
+        &self,
+        rows: usize,
+        pos0: usize,
+        p: &RopeParams,
+        sign: f64,
+    ) -> Result<Buf, KernelError> {
+        self.upload(&cpu::rope_table(rows, pos0, p, sign))
+    }
+
+    /// Rotate x (rows, n_heads, head_dim) in place with a table from
+    /// [`Backend::rope_table`] made for the same rows.
+    pub fn rotate(
+        &self,
+        x: &mut Buf,
+        n_heads: usize,
+        head_dim: usize,
+        p: &RopeParams,
+        table: &Buf,
+    ) -> Result<(), KernelError> {
+        let row = n_heads * head_dim;
+        check(
+            row > 0
+                && x.len().is_multiple_of(row)
+                && p.rotated_dims <= head_dim
+                && p.rotated_dims.is_multiple_of(2)
+                && table.len() == x.len() / row * p.rotated_dims,
+            "rope",
+            || {
+                format!(
+                    "x {} is not (rows, {n_heads}, {head_dim}) with a table of {} for rotated_dims {}",
+                    x.len(),
+                    table.len(),
+                    p.rotated_dims
+                )
+            },
+        )?;
+        match self {
+            Backend::Cpu => {
+                cpu::rotate_with_table(
+                    x.host_mut(),
+                    n_heads,
+                    head_dim,
+                    p.style,
+                    p.rotated_dims,
+                    table.host(),
+                );
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.rotate(x, n_heads, head_dim, p, table),
+        }
+    }
+
+    /// (c, heads, d) row-major -> (heads, c, d) head-major when `to_heads`,
+    /// else the reverse.
+    pub fn transpose_heads(
+        &self,
+        x: &Buf,
+        c: usize,
+        heads: usize,
+        d: usize,
+        to_heads: bool,
+    ) -> Result<Buf, KernelError> {
+        check(x.len() == c * heads * d, "transpose_heads", || {
+            format!("{} elements for ({c}, {heads}, {d})", x.len())
+        })?;
+        match self {
+            Backend::Cpu => {
+                let x = x.host();
+                let mut out = vec![0f32; x.len()];
+                for t in 0..c {
+                    for h in 0..heads {
+                        let (rm, hm) = ((t * heads + h) * d, (h * c + t) * d);
+                        let (src, dst) = if to_heads { (rm, hm) } else { (hm, rm) };
+                        out[dst..dst + d].copy_from_slice(&x[src..src + d]);
+                    }
+                }
+                Ok(Buf::Host(out))
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cu) => cu.transpose_heads(x, c, heads, d, to_heads),
+        }
+    }
+
+    /// dst[dst_at .. dst_at + len] = src[src_at .. src_at + len] (on the device).
+    pub fn copy_within(
+        &self,
+        src: &Buf,
+        src_at: usize,
+        dst: &mut Buf,
+        dst_at: usize,
+        len: usize,
+    ) -> Result<(), KernelError> {
+        check(
+            src_at + len <= src.len() && dst_at + len <= dst.len(),
+            "copy",
+            || {
+                format!(
+                    "[{src_at}, +{len}) of {} into [{dst_at}, +{len}) of {}",
+                    src.len(),
+                    dst.len()
+                )
+            },
+        )?;
+        match self {
+            Backend::Cpu => {
+                dst.host_mut()[dst_at..dst_at + len]
+                    .copy_from_slice(&src.host()[src_at..src_at + len]);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.copy_within(src, src_at, dst, dst_at, len),
+        }
+    }
+
+    /// Causal attention of every head of a layer in one call.
+    ///
+    /// - `q`: (n_heads, c, d) queries at positions pos0 .. pos0 + c
+    /// - `k`, `v`: (n_kv_heads, cap, d) caches holding positions 0 .. pos0 + c;
+    ///   query head h reads KV head h / (n_heads / n_kv_heads)
+    /// - returns o (n_heads, c, d)
+    /// - `colsum`: (n_heads, n_tracked): `+= Σ_i P[h, i, j]` for j < min(n_tracked, pos0 + c)
+    /// - `probs`: (n_heads, c, pos0 + c) probabilities (zero above the diagonal)
+    pub fn attention(
+        &self,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        s: AttnShape,
+        colsum: Option<&mut Buf>,
+        probs: Option<&mut Buf>,
+    ) -> Result<Buf, KernelError> {
+        let AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            c,
+            pos0,
+            cap,
+            head_dim: d,
+            ..
+        } = s;
+        let n = pos0 + c;
+        check(d > 0, "attention", || "head_dim is 0".into())?;
+        check(
+            nkv > 0
+                && nh.is_multiple_of(nkv)
+                && n <= cap
+                && q.len() == nh * c * d
+                && k.len() == nkv * cap * d
+                && v.len() == nkv * cap * d
+                && colsum
+                    .as_ref()
+                    .is_none_or(|cs| cs.len().is_multiple_of(nh.max(1)))
+                && probs.as_ref().is_none_or(|p| p.len() == nh * c * n),
+            "attention",
+            || format!("buffers do not match {s:?}"),
+        )?;
+        if nh == 0 || c == 0 {
+            return self.zeros(nh * c * d);
+        }
+        match self {
+            Backend::Cpu => {
+                let group = nh / nkv;
+                let (q, kc, vc) = (q.host(), k.host(), v.host());
+                let mut o = vec![0f32; nh * c * d];
+                let n_tracked = colsum.as_ref().map_or(0, |cs| cs.len() / nh);
+                let mut colsum_heads: Vec<Option<&mut [f32]>> = match colsum {
+                    Some(cs) => cs
+                        .host_mut()
+                        .chunks_mut(n_tracked.max(1))
+                        .map(Some)
+                        .collect(),
+                    None => (0..nh).map(|_| None).collect(),
+                };
+                colsum_heads.resize_with(nh, || None);
+                let mut probs_heads: Vec<Option<&mut [f32]>> = match probs {
+                    Some(p) => p.host_mut().chunks_mut(c * n).map(Some).collect(),
+                    None => (0..nh).map(|_| None).collect(),
+                };
+                o.par_chunks_mut(c * d)
+                    .zip(colsum_heads.par_iter_mut())
+                    .zip(probs_heads.par_iter_mut())
+                    .enumerate()
+                    .for_each(|(head, ((out, cs), pr))| {
+                        let g = head / group;
+                        let kv = g * cap * d..(g * cap + n) * d;
+                        cpu::causal_attention_head(
+                            &q[head * c * d..(head + 1) * c * d],
+                            &kc[kv.clone()],
+                            &vc[kv],
+                            d,
+                            pos0,
+                            s.scale,
+                            out,
+                            AttentionStats {
+                                colsum: cs.as_deref_mut(),
+                                probs: pr.as_deref_mut(),
+                            },
+                        )
+                    });
+                Ok(Buf::Host(o))
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(cu) => cu.attention(q, k, v, s, colsum, probs),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn not_here(op: &'static str) -> KernelError {
+    KernelError::Shape {
+        op,
+        msg: "a device buffer was given to the CPU backend".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_dim_zero_is_an_error_not_a_division_by_zero() {
+        let be = Backend::Cpu;
+        let e = be
+            .causal_attention_head(&[], &[], &[], 0, 0, 1.0, &mut [], AttentionStats::default())
+            .unwrap_err();
+        assert!(e.to_string().contains("head_dim is 0"), "{e}");
+        let e = be
+            .attention_rows(&[], &[], 0, &[], &[], 1.0, &mut [])
+            .unwrap_err();
+        assert!(e.to_string().contains("head_dim is 0"), "{e}");
+        let s = AttnShape {
+            n_heads: 1,
+            n_kv_heads: 1,
+            c: 0,
+            pos0: 0,
+            cap: 0,
+            head_dim: 0,
+            scale: 1.0,
+        };
+        let z = be.zeros(0).unwrap();
+        let e = be.attention(&z, &z, &z, s, None, None).unwrap_err();
+        assert!(e.to_string().contains("head_dim is 0"), "{e}");
+    }
+
+    #[test]
+    fn rope_refuses_rotated_dims_beyond_the_head() {
+        let be = Backend::Cpu;
+        let p = RopeParams {
+            theta: 10000.0,
+            style: crate::cpu::RopeStyle::Neox,
+            rotated_dims: 6,
+            linear_factor: 1.0,
+        };
+        let mut x = vec![1.0f32; 8]; // (2 rows, 1 head, head_dim 4)
+        let e = be.rope(&mut x, 1, 4, 0, &p, 1.0).unwrap_err();
+        assert!(e.to_string().contains("rotated_dims 6"), "{e}");
+        let mut b = be.upload(&x).unwrap();
+        let t = be.zeros(2 * 6).unwrap();
+        assert!(be.rotate(&mut b, 1, 4, &p, &t).is_err());
+    }
+}
