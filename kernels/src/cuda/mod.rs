@@ -21,7 +21,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use crate::cpu::{AttentionStats, BlockType, RopeParams, RopeStyle};
-use crate::{KernelError, Weight, BLOCK};
+use crate::{launch, KernelError, Weight, BLOCK};
 
 pub struct Cuda {
     _ctx: Arc<CudaContext>,
@@ -41,20 +41,21 @@ fn cu<E: std::fmt::Display>(op: &'static str) -> impl Fn(E) -> KernelError {
     move |e| KernelError::Cuda(format!("{op}: {e}"))
 }
 
-fn grid_1d(n: usize) -> LaunchConfig {
+/// A shared launch configuration ([`crate::launch`]) as cudarc's.
+fn cfg(l: launch::Launch) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (n.div_ceil(BLOCK as usize).max(1) as u32, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
+        grid_dim: l.grid,
+        block_dim: l.block,
+        shared_mem_bytes: l.shared_bytes,
     }
 }
 
+fn grid_1d(n: usize) -> LaunchConfig {
+    cfg(launch::grid_1d(n))
+}
+
 fn rows(r: usize, threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (r.max(1) as u32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    cfg(launch::rows(r, threads))
 }
 
 /// Whether a CUDA driver library is present (no device needed to ask).
@@ -238,15 +239,10 @@ impl Cuda {
             }
             None => {
                 let (mi, ki, ni) = (m as i32, k as i32, n as i32);
-                let cfg = LaunchConfig {
-                    grid_dim: (n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1),
-                    block_dim: (16, 16, 1),
-                    shared_mem_bytes: 0,
-                };
                 let mut b = self.stream.launch_builder(self.f("linear_tiled"));
                 b.arg(&xd).arg(wd).arg(&mut od).arg(&mi).arg(&ki).arg(&ni);
                 // SAFETY: as above.
-                unsafe { b.launch(cfg) }.map_err(cu("linear"))?;
+                unsafe { b.launch(cfg(launch::tiles(m, n))) }.map_err(cu("linear"))?;
             }
         }
         self.down(&od, out)
@@ -339,7 +335,7 @@ impl Cuda {
         let mut b = self.stream.launch_builder(self.f("probs_times_v"));
         b.arg(&pd).arg(&vd).arg(&mut od).arg(&ni).arg(&di);
         // SAFETY: p (c,n), v (n,d), out (c,d).
-        unsafe { b.launch(rows(c, 128)) }.map_err(cu("probs_times_v"))?;
+        unsafe { b.launch(rows(c, launch::PV_THREADS)) }.map_err(cu("probs_times_v"))?;
         if let Some(colsum) = stats.colsum.as_deref_mut() {
             let m = colsum.len().min(n);
             let mut cd = self.up(&colsum[..m])?;
