@@ -404,7 +404,10 @@ fn emulate(test: &str, launches: Vec<Launch>) -> Option<Vec<Ran>> {
     std::fs::create_dir_all(&dir).unwrap();
     let case = dir.join(format!("{test}.case"));
     std::fs::write(&case, case_file(&launches)).unwrap();
-    let mut first: Option<Vec<u8>> = None;
+    // Every build runs before anything is judged, so a sanitizer's report is
+    // shown even when another build's numbers already went wrong.
+    let mut outs = Vec::new();
+    let mut failed = Vec::new();
     for (b, exe) in BUILDS.iter().zip(exes) {
         let out_path = dir.join(format!("{test}.{}.out", b.name()));
         let o = Command::new(exe)
@@ -414,25 +417,32 @@ fn emulate(test: &str, launches: Vec<Launch>) -> Option<Vec<Ran>> {
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&o.stderr);
-        assert!(
-            o.status.success() && stderr.trim().is_empty(),
-            "{test}: the {} build failed ({}; case file {}):\n{}",
-            b.name(),
-            o.status,
-            case.display(),
-            stderr.chars().take(12_000).collect::<String>()
-        );
-        let out = std::fs::read(&out_path).unwrap();
-        match &first {
-            None => first = Some(out),
-            Some(f) => assert!(
-                *f == out,
-                "{test}: the {} build's buffers differ from the plain build's (a race or an uninitialised read)",
-                b.name()
-            ),
+        if o.status.success() && stderr.trim().is_empty() {
+            outs.push((b, std::fs::read(&out_path).unwrap()));
+        } else {
+            failed.push(format!(
+                "the {} build failed ({}):\n{}",
+                b.name(),
+                o.status,
+                stderr.chars().take(8_000).collect::<String>()
+            ));
         }
     }
-    Some(parse_out(&launches, &first.unwrap()))
+    assert!(
+        failed.is_empty(),
+        "{test} (case file {}): {}",
+        case.display(),
+        failed.join("\n")
+    );
+    let (_, plain) = &outs[0];
+    for (b, out) in &outs[1..] {
+        assert!(
+            out == plain,
+            "{test}: the {} build's buffers differ from the plain build's (a race or an uninitialised read)",
+            b.name()
+        );
+    }
+    Some(parse_out(&launches, plain))
 }
 
 // ------------------------------------------------------------ data and checks
