@@ -14,6 +14,14 @@ scripts/setup-reference.sh
 # NVRTC (no GPU needed) so every CUDA kernel is compile-checked for sm_80/sm_90
 KVREPLAY_NVRTC_LIB=$(scripts/fetch-nvrtc.sh)
 export KVREPLAY_NVRTC_LIB KVREPLAY_REQUIRE_NVRTC=1
+# The emulated kernel tests (kernels/tests/emulated.rs) build the CUDA sources
+# with g++ under AddressSanitizer/UBSan and ThreadSanitizer: install the
+# compiler and the sanitizer runtimes where they are missing (a fresh Debian).
+if ! dpkg -s g++ libasan8 libubsan1 libtsan2 >/dev/null 2>&1 && command -v apt-get >/dev/null \
+    && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq g++ libasan8 libubsan1 libtsan2
+fi
+export KVREPLAY_REQUIRE_EMU=1
 export KVREPLAY_REQUIRE_MODEL=1
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT

@@ -16,6 +16,7 @@ mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod launch;
 mod resident;
 mod weight;
 

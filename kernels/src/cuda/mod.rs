@@ -24,7 +24,7 @@ use cudarc::nvrtc::Ptx;
 
 use crate::cpu::{BlockType, RopeParams, RopeStyle};
 use crate::resident::{AttnShape, Buf};
-use crate::{KernelError, Weight, BLOCK, KEY_SPLIT};
+use crate::{launch, KernelError, Weight, BLOCK};
 
 pub struct Cuda {
     _ctx: Arc<CudaContext>,
@@ -50,25 +50,21 @@ fn cu<E: std::fmt::Display>(op: &'static str) -> impl Fn(E) -> KernelError {
     move |e| KernelError::Cuda(format!("{op}: {e}"))
 }
 
-fn grid_1d(n: usize) -> LaunchConfig {
+/// A shared launch configuration ([`crate::launch`]) as cudarc's.
+fn cfg(l: launch::Launch) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (n.div_ceil(BLOCK as usize).max(1) as u32, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
+        grid_dim: l.grid,
+        block_dim: l.block,
+        shared_mem_bytes: l.shared_bytes,
     }
+}
+
+fn grid_1d(n: usize) -> LaunchConfig {
+    cfg(launch::grid_1d(n))
 }
 
 fn rows(r: usize, threads: u32) -> LaunchConfig {
-    rows_heads(r, 1, threads)
-}
-
-/// One block per (row, head): grid (rows, heads).
-fn rows_heads(r: usize, heads: usize, threads: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (r.max(1) as u32, heads.max(1) as u32, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    cfg(launch::rows(r, threads))
 }
 
 /// Whether a CUDA driver library is present (no device needed to ask).
@@ -468,8 +464,9 @@ impl Cuda {
             .arg(&s.scale);
         // SAFETY: one block per (query row, head); q (nh,c,d), k (nkv,cap,d)
         // with n <= cap, p (nh,c,n).
-        unsafe { b.launch(rows_heads(c, nh, BLOCK)) }.map_err(cu("causal_softmax"))?;
-        let splits = n.div_ceil(KEY_SPLIT as usize);
+        unsafe { b.launch(cfg(launch::rows_heads(c, nh, BLOCK))) }.map_err(cu("causal_softmax"))?;
+        let pv = launch::probs_times_v(c, nh, n, d);
+        let splits = pv.grid.2 as usize;
         let mut part = self.raw::<f32>(nh * c * splits * d)?;
         let mut b = self.stream.launch_builder(self.f("probs_times_v"));
         b.arg(&*pd)
@@ -480,11 +477,9 @@ impl Cuda {
             .arg(&di)
             .arg(&capi)
             .arg(&group);
-        let mut cfg = rows_heads(c, nh, (d.next_power_of_two() as u32).clamp(32, BLOCK));
-        cfg.grid_dim.2 = splits as u32;
         // SAFETY: p (nh,c,n), v (nkv,cap,d), part (nh,c,splits,d); every key
         // index is below n <= cap.
-        unsafe { b.launch(cfg) }.map_err(cu("probs_times_v"))?;
+        unsafe { b.launch(cfg(pv)) }.map_err(cu("probs_times_v"))?;
         let mut od = self.raw::<f32>(nh * c * d)?;
         let (ri, si) = ((nh * c) as i32, splits as i32);
         let mut b = self.stream.launch_builder(self.f("sum_splits"));
@@ -503,10 +498,8 @@ impl Cuda {
                     .arg(&ni)
                     .arg(&mi)
                     .arg(&ti);
-                let mut cfg = grid_1d(m);
-                cfg.grid_dim.1 = nh as u32;
                 // SAFETY: one thread per (tracked column j < m <= n, head).
-                unsafe { b.launch(cfg) }.map_err(cu("column_sums"))?;
+                unsafe { b.launch(cfg(launch::column_sums(m, nh))) }.map_err(cu("column_sums"))?;
             }
         }
         Ok(Buf::Dev(od, nh * c * d))

@@ -16,9 +16,13 @@ typedef long long i64;
 #define INFINITY __int_as_float(0x7f800000)
 
 __device__ __forceinline__ float h2f(u16 h) {
+#ifdef KVREPLAY_EMU  // the CPU emulation (kernels/emu/cuda_emu.h): a portable exact conversion
+    return kvemu_h2f(h);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#endif
 }
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((unsigned int)b) << 16); }
 __device__ __forceinline__ u16 ld16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
