@@ -25,8 +25,7 @@ pub(super) struct ReplayArgs {
     /// Output directory for metrics.csv, retention.csv and summary.json.
     #[arg(long)]
     out: PathBuf,
-    /// Where to compute: cpu, cuda or auto (CUDA when a usable GPU is present).
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, help = super::common::DEVICE_HELP, default_value = "cpu")]
     device: kvreplay_kernels::DeviceRequest,
     /// Replace an existing --out.
     #[arg(long)]
