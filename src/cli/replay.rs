@@ -67,7 +67,7 @@ pub(super) fn cmd_replay(a: ReplayArgs) -> Result<()> {
     let r = kvreplay_replay::replay_on(&trace, policy.as_ref(), budget, &backend)
         .with_context(|| format!("replaying {} on {}", spec.canonical(), a.trace.display()))?;
     let secs = start.elapsed().as_secs_f64();
-    let s = kvreplay_replay::output::summary(&trace, &spec, budget, &r);
+    let s = kvreplay_replay::output::summary(&trace, &spec, budget, &r, &backend);
     kvreplay_replay::output::write(&a.out, &s, &r, a.force)
         .with_context(|| format!("writing results to {}", a.out.display()))?;
     println!(
