@@ -192,6 +192,8 @@ pub(super) fn cmd_sweep(a: SweepArgs) -> Result<()> {
             .progress_chars("=> "),
     );
     let backend = open_device(a.device)?;
+    // the plan records the device: a folder holds one device's results
+    let plan = plan.on_device(backend.device());
     let reads = if a.no_verify {
         kvreplay_traces::Reads::Unverified
     } else {
