@@ -170,7 +170,13 @@ fn timed_sweep(
             points.push((
                 name.to_string(),
                 b,
-                kvreplay_replay::output::summary(trace, &spec, Budget::Entries(b), &r),
+                kvreplay_replay::output::summary(
+                    trace,
+                    &spec,
+                    Budget::Entries(b),
+                    &r,
+                    &kvreplay_kernels::Backend::Cpu,
+                ),
             ));
         }
         per_policy.push((name.to_string(), tp.elapsed().as_secs_f64()));

@@ -476,7 +476,7 @@ pub fn write(out: &Path, plan: &Plan) -> Result<(), SweepError> {
     }
     // The report: plots inline, the summary table, provenance.
     let mut html = String::from("<!doctype html><html><head><meta charset=\"utf-8\"><title>kvreplay sweep report</title><style>body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}code{font-size:12px}</style></head><body>");
-    html.push_str(&format!("<h1>kvreplay sweep</h1><p>{} traces × {} policies × {} budgets. Errors are relative L2 errors of the per-head attention output against the full cache, averaged over layers, heads and decode steps, then over traces.</p>", plan.traces.len(), a.policies.len(), a.budgets.len()));
+    html.push_str(&format!("<h1>kvreplay sweep</h1><p>{} traces × {} policies × {} budgets, computed on {}. Errors are relative L2 errors of the per-head attention output against the full cache, averaged over layers, heads and decode steps, then over traces.</p>", plan.traces.len(), a.policies.len(), a.budgets.len(), esc(&plan.device)));
     for (file, title) in &plots {
         let svg = std::fs::read_to_string(out.join(file)).map_err(|e| SweepError::Io {
             path: out.join(file),

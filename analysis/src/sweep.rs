@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 use crate::cost::{self, Assignment, TraceShape};
-use kvreplay_kernels::Backend;
+use kvreplay_kernels::{Backend, Device};
 use kvreplay_replay::{Budget, PolicySpec, ReplayError, TraceReplay};
 use kvreplay_traces::{Reads, Trace};
 
@@ -36,6 +36,15 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> SweepError + '_ {
     }
 }
 
+/// The device of a plan or point file that does not name one: written
+/// before devices were recorded, when sweeps ran on the CPU (CUDA was never
+/// the default).
+pub const DEFAULT_DEVICE: &str = "cpu";
+
+fn default_device() -> String {
+    DEFAULT_DEVICE.into()
+}
+
 /// What a sweep covers; checked in full before any work starts.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct Plan {
@@ -53,6 +62,11 @@ pub struct Plan {
     /// Each trace's shape, for the cost model that splits the plan into shards.
     #[serde(default)]
     pub shapes: Vec<TraceShape>,
+    /// Where the points are computed (`cpu`, `cuda`; [`Device::name`]).
+    /// Devices give close but not identical results, so a sweep folder holds
+    /// one device's: a run, resume, shard or merge with another is refused.
+    #[serde(default = "default_device")]
+    pub device: String,
 }
 
 /// One (trace, policy, budget) point of a plan.
@@ -124,7 +138,14 @@ impl Plan {
             budgets: b,
             trace_ids,
             shapes,
+            device: default_device(),
         })
+    }
+
+    /// This plan computed on `device` (a new plan is for the CPU).
+    pub fn on_device(mut self, device: Device) -> Plan {
+        self.device = device.name().into();
+        self
     }
 
     /// The shape of trace `t` for the cost model (a unit shape when the plan
@@ -237,16 +258,21 @@ impl Plan {
         v
     }
 
-    /// Stable identifier of a point (file name of its result).
+    /// Stable identifier of a point (file name of its result). A point on
+    /// another device than the CPU has another id; a CPU point keeps the id it
+    /// had before devices were recorded, so existing sweeps resume.
     pub fn point_id(&self, p: &Point) -> String {
         use sha2::{Digest, Sha256};
-        let key = format!(
+        let mut key = format!(
             "{}|{}|{}|{}",
             trace_name(&self.traces[p.trace]),
             self.trace_ids.get(p.trace).map_or("", |s| s.as_str()),
             self.policies[p.policy],
             p.budget
         );
+        if self.device != DEFAULT_DEVICE {
+            key.push_str(&format!("|device={}", self.device));
+        }
         let h = Sha256::digest(key.as_bytes());
         h.iter().take(8).map(|b| format!("{b:02x}")).collect()
     }
@@ -305,6 +331,9 @@ pub struct PointResult {
     /// The trace was read without checking its files (`--no-verify`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unverified: bool,
+    /// Where it was computed (the plan's device).
+    #[serde(default = "default_device")]
+    pub device: String,
 }
 
 /// A point whose replay failed or gave a non-finite metric: recorded with its
@@ -323,7 +352,21 @@ pub struct FailedPoint {
 #[serde(untagged)]
 enum PointFile {
     Done(Box<PointResult>),
-    Failed { failed: FailedPoint },
+    Failed {
+        failed: FailedPoint,
+        /// Where it was tried (the plan's device).
+        #[serde(default = "default_device")]
+        device: String,
+    },
+}
+
+impl PointFile {
+    fn device(&self) -> &str {
+        match self {
+            PointFile::Done(r) => &r.device,
+            PointFile::Failed { device, .. } => device,
+        }
+    }
 }
 
 fn read_point(path: &Path) -> Result<Option<PointFile>, SweepError> {
@@ -519,6 +562,24 @@ pub fn read_shard_records(dir: &Path) -> Result<Vec<ShardRecord>, SweepError> {
     Ok(v)
 }
 
+/// Refuse to run `plan` in `out` if the sweep there (`old`, its plan) was
+/// made on another device.
+fn check_device(out: &Path, old: &Plan, plan: &Plan) -> Result<(), SweepError> {
+    if old.device == plan.device {
+        return Ok(());
+    }
+    Err(SweepError::Plan(format!(
+        "{} holds a sweep run on {} (its plan.json), but this run asks for --device {}: \
+         devices give close but not identical results, and one sweep folder holds one \
+         device's; to resume it use --device {}, or give a new --out for a {} sweep",
+        out.display(),
+        old.device,
+        plan.device,
+        old.device,
+        plan.device
+    )))
+}
+
 /// Create `out` for `plan`, or check that it already holds the same sweep.
 /// Returns a notice per trace recaptured since the folder was made: its
 /// points are invalidated (deleted) and computed again.
@@ -541,6 +602,7 @@ fn prepare(out: &Path, plan: &Plan) -> Result<Vec<String>, SweepError> {
             path.display()
         ))
     })?;
+    check_device(out, &old, plan)?;
     if !plan.same_sweep(&old) {
         return Err(SweepError::Plan(format!(
             "{} holds a different sweep (traces, policies or budgets differ); use another --out or remove it",
@@ -661,6 +723,7 @@ fn run_point(plan: &Plan, p: &Point, tr: &TraceReplay) -> Result<PointResult, Sw
         summary,
         retention,
         unverified: !trace.verified(),
+        device: plan.device.clone(),
     })
 }
 
@@ -729,6 +792,19 @@ pub fn run_opts(
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Result<RunReport, SweepError> {
     let (shard, backend, reads) = (opts.shard, opts.backend, opts.reads);
+    // a folder of another device is refused first, whatever the backend
+    // (prepare checks again under the lock)
+    if let Ok(old) = read_plan(out) {
+        check_device(out, &old, plan)?;
+    }
+    if backend.device().name() != plan.device {
+        return Err(SweepError::Plan(format!(
+            "the plan is for device {} but the backend runs on {}; make the plan with \
+             Plan::on_device(backend.device())",
+            plan.device,
+            backend.device().name()
+        )));
+    }
     let _lock = lock_with(out, shard, opts.wait)?;
     let invalidated = prepare(out, plan)?;
     let mine: Vec<Point> = match shard {
@@ -825,6 +901,7 @@ fn failed(plan: &Plan, p: &Point, reason: String) -> PointFile {
             policy_spec: spec.clone(),
             reason,
         },
+        device: plan.device.clone(),
     }
 }
 
@@ -833,11 +910,25 @@ fn point_path(out: &Path, plan: &Plan, p: &Point) -> PathBuf {
         .join(format!("{}.json", plan.point_id(p)))
 }
 
-/// Every point file of the plan, in plan order (`None`: not done yet).
+/// Every point file of the plan, in plan order (`None`: not done yet); one
+/// computed on another device than the plan's is refused.
 fn point_files(out: &Path, plan: &Plan) -> Result<Vec<Option<PointFile>>, SweepError> {
     plan.points()
         .iter()
-        .map(|p| read_point(&point_path(out, plan, p)))
+        .map(|p| {
+            let path = point_path(out, plan, p);
+            let f = read_point(&path)?;
+            match &f {
+                Some(f) if f.device() != plan.device => Err(SweepError::Plan(format!(
+                    "{}: computed on {}, but this sweep runs on {}; results of different \
+                     devices are not mixed: delete the file and rerun the sweep",
+                    path.display(),
+                    f.device(),
+                    plan.device
+                ))),
+                _ => Ok(f),
+            }
+        })
         .collect()
 }
 
@@ -856,7 +947,7 @@ pub fn load_results(
     for f in point_files(out, plan)?.into_iter().flatten() {
         match f {
             PointFile::Done(r) => done.push(*r),
-            PointFile::Failed { failed: f } => failed.push(f),
+            PointFile::Failed { failed: f, .. } => failed.push(f),
         }
     }
     Ok((done, failed))
@@ -880,7 +971,7 @@ fn assemble_report(out: &Path, plan: &Plan) -> Result<(bool, Vec<FailedPoint>), 
                 rows.extend(r.rows);
                 summaries.push(r.summary);
             }
-            Some(PointFile::Failed { failed: f }) => failed.push(f),
+            Some(PointFile::Failed { failed: f, .. }) => failed.push(f),
             None => complete = false,
         }
     }
@@ -962,6 +1053,19 @@ pub fn merge(shards: &[PathBuf], out: &Path) -> Result<MergeReport, SweepError> 
     let plan = read_plan(first)?;
     for s in &shards[1..] {
         let other = read_plan(s)?;
+        if other.device != plan.device {
+            return Err(SweepError::Plan(format!(
+                "{} ran on {} but {} ran on {}: a merge joins the shards of one device \
+                 (their results are close, not identical); merge each device's shards into \
+                 its own --out, or rerun the {} shards with --device {}",
+                first.display(),
+                plan.device,
+                s.display(),
+                other.device,
+                other.device,
+                plan.device
+            )));
+        }
         if !other.same_sweep(&plan) {
             return Err(SweepError::Plan(format!(
                 "{} and {} are shards of different sweeps",

@@ -38,6 +38,7 @@ fn sweep_rows(dir: &Path, n_traces: usize, policies: &[&str], pts: &[(Pt, Vec<f6
         budgets,
         trace_ids: vec![],
         shapes: vec![],
+        device: "cpu".into(),
     };
     std::fs::write(
         out.join("plan.json"),
@@ -80,6 +81,7 @@ fn sweep_rows(dir: &Path, n_traces: usize, policies: &[&str], pts: &[(Pt, Vec<f6
             },
             retention: vec![],
             unverified: false,
+            device: "cpu".into(),
         };
         let id = plan.point_id(&Point {
             trace,

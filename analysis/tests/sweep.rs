@@ -605,6 +605,7 @@ fn synthetic_plan(lengths: &[usize]) -> Plan {
                 total_len: n + 16,
             })
             .collect(),
+        device: "cpu".into(),
     }
 }
 
@@ -762,4 +763,175 @@ fn a_waiting_writer_takes_the_lock_when_the_holder_lets_go() {
     drop(held);
     got_rx.recv().unwrap();
     waiter.join().unwrap();
+}
+
+/// Rewrite the JSON file `path` with `edit` (not for floats: a round trip
+/// through serde_json::Value may move one by an ulp).
+fn edit_json(path: &Path, edit: impl Fn(&mut serde_json::Value)) {
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(path, serde_json::to_string_pretty(&v).unwrap() + "\n").unwrap();
+}
+
+/// Every point file of a sweep folder.
+fn point_files(out: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(out.join("points"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_sweep_records_its_device_and_refuses_another() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plan = plan(tmp.path());
+    assert_eq!(plan.device, "cpu", "a new plan is for the CPU");
+    let out = tmp.path().join("out");
+    run(&plan, &out, None, &mut |_, _, _| {}).unwrap();
+    let on_disk: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(on_disk["device"], "cpu");
+    for f in point_files(&out) {
+        let p: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&f).unwrap()).unwrap();
+        assert_eq!(p["device"], "cpu", "{}", f.display());
+    }
+    let full = files(&out);
+
+    // The folder as a `--device cuda` run would have left it (there is no GPU
+    // here: its plan says cuda). Resuming it on the CPU is refused, named.
+    edit_json(&out.join("plan.json"), |v| v["device"] = "cuda".into());
+    let e = run(&plan, &out, None, &mut |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    for part in [
+        "holds a sweep run on cuda",
+        "asks for --device cpu",
+        "use --device cuda",
+        "new --out",
+    ] {
+        assert!(e.contains(part), "{part:?} missing from: {e}");
+    }
+    assert_eq!(files(&out), full, "nothing was rewritten");
+
+    // A plan for another device than the backend's is a caller's mistake.
+    let fresh = tmp.path().join("fresh");
+    let e = run(
+        &plan.clone().on_device(kvreplay_kernels::Device::Cuda),
+        &fresh,
+        None,
+        &mut |_, _, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("backend runs on cpu"), "{e}");
+    assert!(!fresh.join("plan.json").exists());
+
+    // A point file of another device in a CPU folder is refused, not mixed in.
+    edit_json(&out.join("plan.json"), |v| v["device"] = "cpu".into());
+    let stray = &point_files(&out)[0];
+    edit_json(stray, |v| v["device"] = "cuda".into());
+    let e = kvreplay_analysis::sweep::load_points(&out, &plan)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("computed on cuda, but this sweep runs on cpu"),
+        "{e}"
+    );
+}
+
+#[test]
+fn cpu_point_ids_are_unchanged_and_other_devices_have_their_own() {
+    use sha2::{Digest, Sha256};
+    let tmp = tempfile::tempdir().unwrap();
+    let plan = plan(tmp.path());
+    let cuda = plan.clone().on_device(kvreplay_kernels::Device::Cuda);
+    for p in plan.points() {
+        // the id every sweep before devices were recorded gave this point
+        let key = format!(
+            "{}|{}|{}|{}",
+            kvreplay_analysis::sweep::trace_name(&plan.traces[p.trace]),
+            plan.trace_ids[p.trace],
+            plan.policies[p.policy],
+            p.budget
+        );
+        let old: String = Sha256::digest(key.as_bytes())
+            .iter()
+            .take(8)
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(plan.point_id(&p), old);
+        assert_ne!(cuda.point_id(&p), old);
+    }
+}
+
+#[test]
+fn a_sweep_made_before_devices_were_recorded_resumes_on_the_cpu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plan = plan(tmp.path());
+    let one = tmp.path().join("one");
+    run(&plan, &one, None, &mut |_, _, _| {}).unwrap();
+    let full = files(&one);
+
+    // An old folder: no device in its plan or point files, some points missing.
+    let old = tmp.path().join("old");
+    run(&plan, &old, None, &mut |_, _, _| {}).unwrap();
+    edit_json(&old.join("plan.json"), |v| {
+        v.as_object_mut().unwrap().remove("device");
+    });
+    let mut gone = 0;
+    for (i, f) in point_files(&old).iter().enumerate() {
+        if i % 4 == 0 {
+            std::fs::remove_file(f).unwrap();
+            gone += 1;
+        } else {
+            // as text: a round trip through serde_json::Value may move a float by an ulp
+            let text = std::fs::read_to_string(f).unwrap();
+            let old_text = text.replace(r#","device":"cpu""#, "");
+            assert_ne!(old_text, text);
+            std::fs::write(f, old_text).unwrap();
+        }
+    }
+    std::fs::remove_file(old.join("results.csv")).unwrap();
+    let r = run(&plan, &old, None, &mut |_, _, _| {}).unwrap();
+    assert_eq!((r.ran, r.reused, r.complete), (gone, 18 - gone, true));
+    assert_eq!(files(&old), full, "byte-identical to one run");
+    let on_disk: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(old.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(on_disk["device"], "cpu", "the plan now says so");
+}
+
+#[test]
+fn shards_of_different_devices_are_not_merged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let plan = plan(tmp.path());
+    let shards: Vec<PathBuf> = (0..2)
+        .map(|i| {
+            let d = tmp.path().join(format!("shard{i}"));
+            run(
+                &plan,
+                &d,
+                Some(Shard { index: i, count: 2 }),
+                &mut |_, _, _| {},
+            )
+            .unwrap();
+            d
+        })
+        .collect();
+    // shard 1 as a `--device cuda` run would have left it
+    edit_json(&shards[1].join("plan.json"), |v| {
+        v["device"] = "cuda".into()
+    });
+    let merged = tmp.path().join("merged");
+    let e = merge(&shards, &merged).unwrap_err().to_string();
+    for part in ["ran on cpu", "ran on cuda", "one device", "--device cpu"] {
+        assert!(e.contains(part), "{part:?} missing from: {e}");
+    }
+    assert!(!merged.join("results.csv").exists());
+    // the CPU shard alone merges
+    let r = merge(&shards[..1], &merged).unwrap();
+    assert!(!r.complete);
 }

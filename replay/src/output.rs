@@ -36,6 +36,11 @@ pub struct Summary {
     pub full_bytes: u64,
     pub memory_ratio: f64,
     pub trace: TraceProvenance,
+    /// Where the replay was computed: `cpu` or `cuda` (results of the two
+    /// are close, not identical).
+    pub device: String,
+    /// The backend in one line, e.g. "cuda: NVIDIA H100 (sm_90), cuBLAS".
+    pub device_detail: String,
     pub kvreplay_version: String,
 }
 
@@ -55,7 +60,14 @@ pub struct TraceProvenance {
     pub verified: bool,
 }
 
-pub fn summary(trace: &Trace, spec: &PolicySpec, budget: Budget, r: &ReplayResult) -> Summary {
+/// The summary of `r`, the replay of `trace` computed on `backend`.
+pub fn summary(
+    trace: &Trace,
+    spec: &PolicySpec,
+    budget: Budget,
+    r: &ReplayResult,
+    backend: &kvreplay_kernels::Backend,
+) -> Summary {
     let m = &trace.manifest;
     Summary {
         policy: spec.short(),
@@ -79,6 +91,8 @@ pub fn summary(trace: &Trace, spec: &PolicySpec, budget: Budget, r: &ReplayResul
             content_id: trace.content_id().to_string(),
             verified: trace.verified(),
         },
+        device: backend.device().name().into(),
+        device_detail: backend.describe(),
         kvreplay_version: env!("CARGO_PKG_VERSION").into(),
     }
 }

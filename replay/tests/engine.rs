@@ -51,7 +51,13 @@ fn outputs_hold_one_row_per_head_and_per_retained_position() {
     let spec = PolicySpec::parse("streaming_llm:n_sink=2").unwrap();
     let r = replay(&trace, spec.build().unwrap().as_ref(), Budget::Ratio(0.5)).unwrap();
     assert_eq!(r.budget, 10);
-    let s = kvreplay_replay::output::summary(&trace, &spec, Budget::Ratio(0.5), &r);
+    let s = kvreplay_replay::output::summary(
+        &trace,
+        &spec,
+        Budget::Ratio(0.5),
+        &r,
+        &kvreplay_kernels::Backend::Cpu,
+    );
     let out = tmp.path().join("out");
     kvreplay_replay::output::write(&out, &s, &r, false).unwrap();
     let metrics = std::fs::read_to_string(out.join("metrics.csv")).unwrap();
@@ -80,6 +86,9 @@ fn outputs_hold_one_row_per_head_and_per_retained_position() {
     assert!(!out.join(".metrics.csv.tmp").exists());
     assert_eq!(summary["trace"]["verified"], true);
     assert_eq!(summary["trace"]["content_id"], trace.content_id());
+    // where it was computed: results on CPU and CUDA are close, not identical
+    assert_eq!(summary["device"], "cpu");
+    assert_eq!(summary["device_detail"], "cpu");
 }
 
 #[test]
@@ -168,7 +177,13 @@ fn replay_output_is_replaced_only_with_force_and_only_when_whole() {
     let spec = PolicySpec::parse("h2o").unwrap();
     let run = |b| {
         let r = replay(&trace, spec.build().unwrap().as_ref(), Budget::Entries(b)).unwrap();
-        let s = kvreplay_replay::output::summary(&trace, &spec, Budget::Entries(b), &r);
+        let s = kvreplay_replay::output::summary(
+            &trace,
+            &spec,
+            Budget::Entries(b),
+            &r,
+            &kvreplay_kernels::Backend::Cpu,
+        );
         (s, r)
     };
     let out = tmp.path().join("out");

@@ -52,8 +52,7 @@ pub(super) struct CaptureArgs {
     /// Overwrite an existing trace at --out.
     #[arg(long)]
     force: bool,
-    /// Where to compute: cpu, cuda or auto (CUDA when a usable GPU is present).
-    #[arg(long, default_value = "auto")]
+    #[arg(long, help = super::common::DEVICE_HELP, default_value = "auto")]
     device: kvreplay_kernels::DeviceRequest,
 }
 

@@ -22,9 +22,36 @@ pub fn resolve_model(arg: Option<PathBuf>) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// Open the backend `--device` asks for; say so when `auto` falls back to the
-/// CPU, and name the GPU when one is used.
+/// Whether `--device auto` uses CUDA when a usable GPU is present. Off until
+/// the CUDA path's parity with the CPU and its speed are recorded in
+/// BENCHMARKS.md (`scripts/gpu-check.sh` measures both on a GPU machine);
+/// turning it on is this one line (the `--device` help follows it).
+pub const AUTO_PICKS_CUDA: bool = false;
+
+/// What `auto` does instead, printed once per run when it is asked for.
+const AUTO_CPU_NOTE: &str = "--device auto: using the CPU; the CUDA path is opt-in \
+     (--device cuda) until its parity and speed are recorded in BENCHMARKS.md";
+
+/// The `--device` help of every command that takes it.
+pub const DEVICE_HELP: &str = if AUTO_PICKS_CUDA {
+    "Where to compute: cpu, cuda or auto (CUDA when a usable GPU is present, else the CPU)"
+} else {
+    "Where to compute: cpu, cuda or auto (auto uses the CPU: the CUDA path is opt-in, \
+     --device cuda, until its parity and speed are recorded in BENCHMARKS.md)"
+};
+
+/// Open the backend `--device` asks for; say why when `auto` uses the CPU,
+/// and name the GPU when one is used.
 pub fn open_device(req: kvreplay_kernels::DeviceRequest) -> Result<kvreplay_kernels::Backend> {
+    use kvreplay_kernels::DeviceRequest;
+    let req = match req {
+        DeviceRequest::Auto if !AUTO_PICKS_CUDA => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| eprintln!("{AUTO_CPU_NOTE}"));
+            DeviceRequest::Cpu
+        }
+        r => r,
+    };
     let o = kvreplay_kernels::Backend::open(req).context("--device cuda")?;
     if let Some(note) = &o.note {
         eprintln!("{note}");

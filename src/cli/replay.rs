@@ -25,8 +25,7 @@ pub(super) struct ReplayArgs {
     /// Output directory for metrics.csv, retention.csv and summary.json.
     #[arg(long)]
     out: PathBuf,
-    /// Where to compute: cpu, cuda or auto (CUDA when a usable GPU is present).
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, help = super::common::DEVICE_HELP, default_value = "cpu")]
     device: kvreplay_kernels::DeviceRequest,
     /// Replace an existing --out.
     #[arg(long)]
@@ -68,7 +67,7 @@ pub(super) fn cmd_replay(a: ReplayArgs) -> Result<()> {
     let r = kvreplay_replay::replay_on(&trace, policy.as_ref(), budget, &backend)
         .with_context(|| format!("replaying {} on {}", spec.canonical(), a.trace.display()))?;
     let secs = start.elapsed().as_secs_f64();
-    let s = kvreplay_replay::output::summary(&trace, &spec, budget, &r);
+    let s = kvreplay_replay::output::summary(&trace, &spec, budget, &r, &backend);
     kvreplay_replay::output::write(&a.out, &s, &r, a.force)
         .with_context(|| format!("writing results to {}", a.out.display()))?;
     println!(

@@ -37,8 +37,7 @@ pub(super) struct SweepArgs {
     /// its points done).
     #[arg(long)]
     wait: bool,
-    /// Where to compute: cpu, cuda or auto (CUDA when a usable GPU is present).
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, help = super::common::DEVICE_HELP, default_value = "cpu")]
     device: kvreplay_kernels::DeviceRequest,
     /// Skip checking the traces' files (sha256, finite values); recorded in the points.
     #[arg(long)]
@@ -193,6 +192,8 @@ pub(super) fn cmd_sweep(a: SweepArgs) -> Result<()> {
             .progress_chars("=> "),
     );
     let backend = open_device(a.device)?;
+    // the plan records the device: a folder holds one device's results
+    let plan = plan.on_device(backend.device());
     let reads = if a.no_verify {
         kvreplay_traces::Reads::Unverified
     } else {
