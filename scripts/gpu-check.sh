@@ -75,8 +75,24 @@ resolve_bin() {
     fi
 }
 
+# kvreplay loads libnvrtc and libcublas with dlopen: where the CUDA toolkit
+# (or PyTorch's pip wheels) put them outside the loader's search path, add
+# their folders to LD_LIBRARY_PATH.
+find_cuda_libs() {
+    if ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so'; then return; fi
+    local dirs
+    dirs=$(find /usr/local/cuda*/lib64 /usr/local/cuda*/targets/*/lib /opt /usr/lib/python3* \
+        -maxdepth 6 \( -name 'libnvrtc.so.1[23]' -o -name 'libcublas.so.1[23]' \) 2>/dev/null |
+        xargs -r -n1 dirname | sort -u | tr '\n' ':')
+    if [ -n "$dirs" ]; then
+        export LD_LIBRARY_PATH="${dirs}${LD_LIBRARY_PATH:-}"
+        say "CUDA libraries found outside the loader's path: LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    fi
+}
+
 # Sets gpu_reason (empty when kvreplay can compute on a GPU) and backend_line.
 detect_gpu() {
+    find_cuda_libs
     local why=() log="$work/probe.log"
     if [ "$dev2" != cuda ]; then
         backend_line="test run: $dev2 in place of cuda"
