@@ -59,9 +59,10 @@ fn median(v: &mut [f64]) -> f64 {
 pub fn bench_capture(b: &CaptureBench) -> Result<()> {
     let mut model =
         Model::load(&b.model).with_context(|| format!("loading model {}", b.model.display()))?;
-    model
-        .llama
-        .set_backend(crate::cli::common::open_device(b.device)?);
+    model.llama.set_backend(crate::cli::common::open_device(
+        b.device,
+        crate::cli::common::Work::Capture,
+    )?);
     let ids = filler_ids(&model, b.prompt_tokens)?;
     let dir = std::env::temp_dir().join(format!("kvreplay-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;

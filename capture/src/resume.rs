@@ -10,11 +10,15 @@ pub struct Request<'a> {
     pub spans: &'a [Span],
     pub n_decode: usize,
     pub dtype: Dtype,
+    /// The device the capture runs on ("cpu" or "cuda"): traces of one
+    /// suite come from one device (CUDA's differ from the CPU's in the last
+    /// bits, see BENCHMARKS.md, GPU).
+    pub device: &'a str,
 }
 
 /// How the trace described by `m` differs from what `req` would capture
-/// (model file, prompt and its spans, decode length, dtype); empty when it
-/// is that trace.
+/// (model file, prompt and its spans, decode length, dtype, device); empty
+/// when it is that trace.
 pub fn differences(m: &Manifest, req: &Request) -> Vec<String> {
     let mut v = Vec::new();
     if m.model.source.sha256 != req.model.sha256 {
@@ -37,6 +41,12 @@ pub fn differences(m: &Manifest, req: &Request) -> Vec<String> {
             "--dtype {} (not {})",
             m.capture.dtype.name(),
             req.dtype.name()
+        ));
+    }
+    if m.capture.device != req.device {
+        v.push(format!(
+            "--device {} (not {})",
+            m.capture.device, req.device
         ));
     }
     v

@@ -28,6 +28,7 @@ fn a_finished_trace_is_kept_only_for_the_request_that_made_it() {
         spans: &o.spans,
         n_decode: 3,
         dtype: Dtype::F16,
+        device: "cpu",
     };
     assert!(differences(&t.manifest, &same).is_empty());
     let d = differences(
@@ -39,6 +40,15 @@ fn a_finished_trace_is_kept_only_for_the_request_that_made_it() {
         },
     );
     assert_eq!(d, ["--decode 3 (not 16)", "--dtype f16 (not f32)"]);
+    // A suite captured on the CPU is not resumed on CUDA (nor the reverse).
+    let d = differences(
+        &t.manifest,
+        &Request {
+            device: "cuda",
+            ..same
+        },
+    );
+    assert_eq!(d, ["--device cpu (not cuda)"]);
     let other: Vec<u32> = ids.iter().rev().copied().collect();
     let d = differences(
         &t.manifest,

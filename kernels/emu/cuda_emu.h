@@ -86,28 +86,6 @@ inline unsigned int __float_as_uint(float f) {
     return u;
 }
 
-// IEEE binary16 -> binary32, exact (every f16 is an f32); NaN payloads are
-// kept and made quiet. Stands in for prelude.cuh's PTX `cvt.f32.f16`.
-inline float kvemu_h2f(unsigned short h) {
-    unsigned int sign = (unsigned int)(h & 0x8000u) << 16;
-    unsigned int exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13) | (man ? 0x00400000u : 0u);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else {  // subnormal: man * 2^-24, normalised
-        unsigned int e = 113;
-        while (!(man & 0x400u)) {
-            man <<= 1;
-            --e;
-        }
-        bits = sign | (e << 23) | ((man & 0x3ffu) << 13);
-    }
-    return __uint_as_float(bits);
-}
-
 namespace kvemu {
 
 [[noreturn]] inline void fail(const char* what) {

@@ -7,7 +7,7 @@
 
 use std::str::FromStr;
 
-use crate::cpu::{self, AttentionStats, BlockType, RopeParams};
+use crate::cpu::{self, AttentionStats, RopeParams};
 use crate::{Device, KernelError, Weight};
 
 /// What `--device` asked for.
@@ -83,20 +83,6 @@ impl Backend {
             Backend::Cpu => "cpu".into(),
             #[cfg(feature = "cuda")]
             Backend::Cuda(c) => format!("cuda: {}", c.describe()),
-        }
-    }
-
-    /// Dequantise whole blocks of `ty` in `src` into `out`.
-    pub fn dequantize(
-        &self,
-        ty: BlockType,
-        src: &[u8],
-        out: &mut [f32],
-    ) -> Result<(), KernelError> {
-        match self {
-            Backend::Cpu => cpu::dequantize(ty, src, out),
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.dequantize(ty, src, out),
         }
     }
 

@@ -59,14 +59,6 @@ fn check_cubin(test: &str, file: &str) {
 }
 
 #[test]
-fn nvrtc_dequant_ptx_sm80() {
-    check_ptx("nvrtc_dequant_ptx_sm80", "dequant.cu");
-}
-#[test]
-fn nvrtc_dequant_cubin_sm90() {
-    check_cubin("nvrtc_dequant_cubin_sm90", "dequant.cu");
-}
-#[test]
 fn nvrtc_layer_ptx_sm80() {
     check_ptx("nvrtc_layer_ptx_sm80", "layer.cu");
 }

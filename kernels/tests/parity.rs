@@ -6,13 +6,12 @@
 //!
 //! Tolerances: f32 sums of k terms differ from the f64 reference by at most
 //! about k·2⁻²⁴·Σ|terms| (any summation order); element-wise maps by a few
-//! ulps of f32 exp/sqrt; dequantisation and gathers are exact (the same f32
+//! ulps of f32 exp/sqrt; gathers and data movement are exact (the same f32
 //! operations in the same order; CUDA sources are compiled with --fmad=false).
 
 use std::sync::OnceLock;
 
-use half::f16;
-use kvreplay_kernels::cpu::{AttentionStats, BlockType, RopeParams, RopeStyle};
+use kvreplay_kernels::cpu::{AttentionStats, RopeParams, RopeStyle};
 use kvreplay_kernels::{AttnShape, Backend, DeviceRequest, Weight};
 
 fn cuda() -> &'static Result<Backend, String> {
@@ -53,9 +52,6 @@ impl Rng {
     fn vec(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.f()).collect()
     }
-    fn below(&mut self, n: u64) -> u64 {
-        self.u64() % n
-    }
 }
 
 fn close(got: &[f32], want: &[f64], tol: impl Fn(usize) -> f64, what: &str) {
@@ -69,137 +65,6 @@ fn close(got: &[f32], want: &[f64], tol: impl Fn(usize) -> f64, what: &str) {
         );
     }
 }
-
-// ---------------------------------------------------------------- dequant
-
-/// Random quantised blocks and the values they encode, computed from the
-/// chosen fields (the packing here is the inverse of the kernels' unpacking).
-fn quantised(ty: BlockType, blocks: usize, r: &mut Rng) -> (Vec<u8>, Vec<f32>) {
-    let h = |x: f32| f16::from_f32(x);
-    let mut bytes = Vec::new();
-    let mut vals = Vec::new();
-    for _ in 0..blocks {
-        match ty {
-            BlockType::F32 => {
-                let x = r.f() * 100.0;
-                bytes.extend_from_slice(&x.to_le_bytes());
-                vals.push(x);
-            }
-            BlockType::F16 => {
-                let x = h(r.f() * 100.0);
-                bytes.extend_from_slice(&x.to_le_bytes());
-                vals.push(x.to_f32());
-            }
-            BlockType::BF16 => {
-                let x = half::bf16::from_f32(r.f() * 100.0);
-                bytes.extend_from_slice(&x.to_le_bytes());
-                vals.push(x.to_f32());
-            }
-            BlockType::Q8_0 => {
-                let d = h(r.f() * 0.1);
-                bytes.extend_from_slice(&d.to_le_bytes());
-                for _ in 0..32 {
-                    let q = r.below(256) as u8 as i8;
-                    bytes.push(q as u8);
-                    vals.push(d.to_f32() * q as f32);
-                }
-            }
-            BlockType::Q4_0 | BlockType::Q4_1 => {
-                let d = h(r.f() * 0.1);
-                let m = h(r.f());
-                bytes.extend_from_slice(&d.to_le_bytes());
-                if ty == BlockType::Q4_1 {
-                    bytes.extend_from_slice(&m.to_le_bytes());
-                }
-                let q: Vec<u8> = (0..32).map(|_| r.below(16) as u8).collect();
-                bytes.extend((0..16).map(|i| q[i] | (q[i + 16] << 4)));
-                for &x in &q {
-                    vals.push(if ty == BlockType::Q4_0 {
-                        d.to_f32() * (x as i32 - 8) as f32
-                    } else {
-                        d.to_f32() * x as f32 + m.to_f32()
-                    });
-                }
-            }
-            BlockType::Q4_K | BlockType::Q5_K => {
-                let (d, dmin) = (h(r.f() * 0.01), h(r.f() * 0.01));
-                let sc: Vec<u8> = (0..8).map(|_| r.below(64) as u8).collect();
-                let mn: Vec<u8> = (0..8).map(|_| r.below(64) as u8).collect();
-                // pack 8 (scale, min) 6-bit pairs into 12 bytes
-                let mut packed = [0u8; 12];
-                for j in 0..4 {
-                    packed[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
-                    packed[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
-                    packed[j + 8] = (sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4);
-                }
-                let bits = if ty == BlockType::Q5_K { 32 } else { 16 };
-                let q: Vec<u8> = (0..256).map(|_| r.below(bits) as u8).collect();
-                bytes.extend_from_slice(&d.to_le_bytes());
-                bytes.extend_from_slice(&dmin.to_le_bytes());
-                bytes.extend_from_slice(&packed);
-                if ty == BlockType::Q5_K {
-                    // bit 2j of qh[l]: element 64j + l; bit 2j+1: element 64j + 32 + l
-                    bytes.extend((0..32).map(|l| {
-                        (0..8).fold(0u8, |acc, s| acc | (((q[32 * s + l] >> 4) & 1) << s))
-                    }));
-                }
-                bytes.extend((0..4).flat_map(|j| {
-                    let q = &q;
-                    (0..32).map(move |l| (q[64 * j + l] & 15) | ((q[64 * j + 32 + l] & 15) << 4))
-                }));
-                for (e, &x) in q.iter().enumerate() {
-                    let s = e / 32;
-                    vals.push(d.to_f32() * sc[s] as f32 * x as f32 - dmin.to_f32() * mn[s] as f32);
-                }
-            }
-            BlockType::Q6_K => {
-                let d = h(r.f() * 0.01);
-                let sc: Vec<i8> = (0..16).map(|_| r.below(256) as u8 as i8).collect();
-                let q: Vec<u8> = (0..256).map(|_| r.below(64) as u8).collect();
-                let (mut ql, mut qh) = ([0u8; 128], [0u8; 64]);
-                for n in 0..2 {
-                    for l in 0..32 {
-                        let e = |k: usize| q[128 * n + 32 * k + l];
-                        ql[64 * n + l] = (e(0) & 15) | ((e(2) & 15) << 4);
-                        ql[64 * n + l + 32] = (e(1) & 15) | ((e(3) & 15) << 4);
-                        qh[32 * n + l] = (e(0) >> 4)
-                            | ((e(1) >> 4) << 2)
-                            | ((e(2) >> 4) << 4)
-                            | ((e(3) >> 4) << 6);
-                    }
-                }
-                bytes.extend_from_slice(&ql);
-                bytes.extend_from_slice(&qh);
-                bytes.extend(sc.iter().map(|&s| s as u8));
-                bytes.extend_from_slice(&d.to_le_bytes());
-                for (e, &x) in q.iter().enumerate() {
-                    // element e: half e/128, quarter (e%128)/32, l = e%32; scale 8·half + 2·quarter + l/16
-                    let s = 8 * (e / 128) + 2 * ((e % 128) / 32) + (e % 32) / 16;
-                    vals.push(d.to_f32() * sc[s] as f32 * (x as i32 - 32) as f32);
-                }
-            }
-        }
-    }
-    (bytes, vals)
-}
-
-#[test]
-fn parity_dequantize_every_block_type() {
-    use BlockType::*;
-    for b in backends("parity_dequantize_every_block_type") {
-        for ty in [F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K] {
-            let mut r = Rng(ty.block_bytes() as u64);
-            let blocks = 1200 / ty.block_elems() + 3; // several GPU thread blocks
-            let (bytes, want) = quantised(ty, blocks, &mut r);
-            let mut got = vec![f32::NAN; want.len()];
-            b.dequantize(ty, &bytes, &mut got).unwrap();
-            // exact: the same f32 operations in the same order
-            assert_eq!(got, want, "{ty:?} on {}", b.describe());
-        }
-    }
-}
-
-// ---------------------------------------------------------------- layer ops
 
 #[test]
 fn parity_embedding() {

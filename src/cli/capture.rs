@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use kvreplay_capture::{capture, CaptureOptions, Model, Phase, Progress};
 use kvreplay_traces::{Dtype, Span, Trace};
 
-use super::common::{open_device, resolve_model};
+use super::common::{open_device, resolve_model, Work};
 
 #[derive(Args)]
 pub(super) struct CaptureArgs {
@@ -52,7 +52,7 @@ pub(super) struct CaptureArgs {
     /// Overwrite an existing trace at --out.
     #[arg(long)]
     force: bool,
-    #[arg(long, help = super::common::DEVICE_HELP, default_value = "auto")]
+    #[arg(long, help = super::common::CAPTURE_DEVICE_HELP, default_value = "auto")]
     device: kvreplay_kernels::DeviceRequest,
 }
 
@@ -110,7 +110,9 @@ pub(super) fn cmd_capture(a: CaptureArgs) -> Result<()> {
     let mut model = Model::load(&model_path)
         .with_context(|| format!("loading model {}", model_path.display()))?;
     spinner.finish_and_clear();
-    model.llama.set_backend(open_device(a.device)?);
+    model
+        .llama
+        .set_backend(open_device(a.device, Work::Capture)?);
     let mut opts = CaptureOptions::new(prompt, &a.out);
     opts.prompt_source = source;
     if let Some(task) = &a.task {
@@ -173,13 +175,11 @@ fn capture_suite(a: &CaptureArgs, suite: &str, model_path: &Path) -> Result<()> 
     let mut model = Model::load(model_path)
         .with_context(|| format!("loading model {}", model_path.display()))?;
     let items = kvreplay_capture::tasks::default_suite();
-    if a.force
-        || items
-            .iter()
-            .any(|(name, _)| !a.out.join(name).join("manifest.json").exists())
-    {
-        model.llama.set_backend(open_device(a.device)?);
-    }
+    // Opened even when every trace exists: a finished trace is kept only if
+    // it came from the device this run would use.
+    model
+        .llama
+        .set_backend(open_device(a.device, Work::Capture)?);
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let bar = ProgressBar::new(items.len() as u64);
     bar.set_style(
@@ -209,6 +209,7 @@ fn capture_suite(a: &CaptureArgs, suite: &str, model_path: &Path) -> Result<()> 
                     spans: &spans,
                     n_decode: a.decode,
                     dtype: a.dtype,
+                    device: model.llama.backend.device().name(),
                 },
             );
             if !differs.is_empty() {

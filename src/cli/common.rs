@@ -22,32 +22,59 @@ pub fn resolve_model(arg: Option<PathBuf>) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// Whether `--device auto` uses CUDA when a usable GPU is present. Off until
-/// the CUDA path's parity with the CPU and its speed are recorded in
-/// BENCHMARKS.md (`scripts/gpu-check.sh` measures both on a GPU machine);
-/// turning it on is this one line (the `--device` help follows it).
-pub const AUTO_PICKS_CUDA: bool = false;
+/// What a backend is opened for: `--device auto` decides per kind of work,
+/// by what was measured on a GPU (BENCHMARKS.md, GPU; docs/gpu/).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Work {
+    /// Capture (and validate): `auto` uses CUDA when a usable GPU is present.
+    /// On an H100 the CUDA capture matched the CPU's (q/k/v/o within 3e-5
+    /// relative L2, the same greedy tokens) and ran 8.5x (prefill) and 5x
+    /// (decode) faster than the 16-core CPU beside it.
+    Capture,
+    /// Replay and sweeps: `auto` uses the CPU. On the same machine replaying
+    /// on CUDA took 23x longer than on the CPU (each step copies a small
+    /// problem to the device and back); `--device cuda` still runs it.
+    Replay,
+}
 
-/// What `auto` does instead, printed once per run when it is asked for.
-const AUTO_CPU_NOTE: &str = "--device auto: using the CPU; the CUDA path is opt-in \
-     (--device cuda) until its parity and speed are recorded in BENCHMARKS.md";
+/// Whether `--device auto` uses CUDA (when a usable GPU is present) for this
+/// work; flipping one of these is the whole change (the help follows).
+pub const fn auto_picks_cuda(w: Work) -> bool {
+    match w {
+        Work::Capture => true,
+        Work::Replay => false,
+    }
+}
 
-/// The `--device` help of every command that takes it.
-pub const DEVICE_HELP: &str = if AUTO_PICKS_CUDA {
+/// The `--device` help of `capture` (and `bench capture`).
+pub const CAPTURE_DEVICE_HELP: &str = if auto_picks_cuda(Work::Capture) {
+    "Where to compute: cpu, cuda or auto (CUDA when a usable GPU is present, else the CPU; the trace records which)"
+} else {
+    "Where to compute: cpu, cuda or auto (auto uses the CPU; CUDA is opt-in with --device cuda)"
+};
+
+/// The `--device` help of `replay` and `sweep`.
+pub const REPLAY_DEVICE_HELP: &str = if auto_picks_cuda(Work::Replay) {
     "Where to compute: cpu, cuda or auto (CUDA when a usable GPU is present, else the CPU)"
 } else {
-    "Where to compute: cpu, cuda or auto (auto uses the CPU: the CUDA path is opt-in, \
-     --device cuda, until its parity and speed are recorded in BENCHMARKS.md)"
+    "Where to compute: cpu, cuda or auto (auto uses the CPU: replay on CUDA measured slower, see BENCHMARKS.md)"
 };
 
 /// Open the backend `--device` asks for; say why when `auto` uses the CPU,
 /// and name the GPU when one is used.
-pub fn open_device(req: kvreplay_kernels::DeviceRequest) -> Result<kvreplay_kernels::Backend> {
+pub fn open_device(
+    req: kvreplay_kernels::DeviceRequest,
+    work: Work,
+) -> Result<kvreplay_kernels::Backend> {
     use kvreplay_kernels::DeviceRequest;
     let req = match req {
-        DeviceRequest::Auto if !AUTO_PICKS_CUDA => {
+        DeviceRequest::Auto if !auto_picks_cuda(work) => {
             static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| eprintln!("{AUTO_CPU_NOTE}"));
+            SAID.call_once(|| {
+                eprintln!(
+                    "--device auto: replaying on the CPU (replay on CUDA measured slower; --device cuda to use it anyway)"
+                )
+            });
             DeviceRequest::Cpu
         }
         r => r,

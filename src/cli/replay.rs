@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use kvreplay_traces::{Reads, Trace};
 
-use super::common::open_device;
+use super::common::{open_device, Work};
 
 #[derive(Args)]
 pub(super) struct ReplayArgs {
@@ -25,7 +25,7 @@ pub(super) struct ReplayArgs {
     /// Output directory for metrics.csv, retention.csv and summary.json.
     #[arg(long)]
     out: PathBuf,
-    #[arg(long, help = super::common::DEVICE_HELP, default_value = "cpu")]
+    #[arg(long, help = super::common::REPLAY_DEVICE_HELP, default_value = "cpu")]
     device: kvreplay_kernels::DeviceRequest,
     /// Replace an existing --out.
     #[arg(long)]
@@ -63,7 +63,7 @@ pub(super) fn cmd_replay(a: ReplayArgs) -> Result<()> {
         .with_context(|| format!("opening trace {}", a.trace.display()))?;
     budget.resolve(trace.manifest.prompt_len())?;
     let start = std::time::Instant::now();
-    let backend = open_device(a.device)?;
+    let backend = open_device(a.device, Work::Replay)?;
     let r = kvreplay_replay::replay_on(&trace, policy.as_ref(), budget, &backend)
         .with_context(|| format!("replaying {} on {}", spec.canonical(), a.trace.display()))?;
     let secs = start.elapsed().as_secs_f64();

@@ -7,7 +7,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvreplay_analysis::sweep::Shard;
 use std::path::PathBuf;
 
-use super::common::{expand_traces, open_device};
+use super::common::{expand_traces, open_device, Work};
 
 #[derive(Args)]
 pub(super) struct SweepArgs {
@@ -37,7 +37,7 @@ pub(super) struct SweepArgs {
     /// its points done).
     #[arg(long)]
     wait: bool,
-    #[arg(long, help = super::common::DEVICE_HELP, default_value = "cpu")]
+    #[arg(long, help = super::common::REPLAY_DEVICE_HELP, default_value = "cpu")]
     device: kvreplay_kernels::DeviceRequest,
     /// Skip checking the traces' files (sha256, finite values); recorded in the points.
     #[arg(long)]
@@ -191,7 +191,7 @@ pub(super) fn cmd_sweep(a: SweepArgs) -> Result<()> {
             .expect("valid template")
             .progress_chars("=> "),
     );
-    let backend = open_device(a.device)?;
+    let backend = open_device(a.device, Work::Replay)?;
     // the plan records the device: a folder holds one device's results
     let plan = plan.on_device(backend.device());
     let reads = if a.no_verify {

@@ -22,7 +22,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use crate::cpu::{BlockType, RopeParams, RopeStyle};
+use crate::cpu::{RopeParams, RopeStyle};
 use crate::resident::{AttnShape, Buf};
 use crate::{launch, KernelError, Weight, BLOCK};
 
@@ -506,41 +506,6 @@ impl Cuda {
     }
 
     // ---- host-slice operations (replay) ----
-
-    pub fn dequantize(
-        &self,
-        ty: BlockType,
-        src: &[u8],
-        out: &mut [f32],
-    ) -> Result<(), KernelError> {
-        let (be, bb) = (ty.block_elems(), ty.block_bytes());
-        if !out.len().is_multiple_of(be) || src.len() != out.len() / be * bb {
-            return Err(KernelError::Shape {
-                op: "dequantize",
-                msg: format!("{ty:?}: {} bytes for {} elements", src.len(), out.len()),
-            });
-        }
-        let name = match ty {
-            BlockType::F32 => "dequant_f32",
-            BlockType::F16 => "dequant_f16",
-            BlockType::BF16 => "dequant_bf16",
-            BlockType::Q8_0 => "dequant_q8_0",
-            BlockType::Q4_0 => "dequant_q4_0",
-            BlockType::Q4_1 => "dequant_q4_1",
-            BlockType::Q4_K => "dequant_q4_k",
-            BlockType::Q5_K => "dequant_q5_k",
-            BlockType::Q6_K => "dequant_q6_k",
-        };
-        let s = self.up(src)?;
-        let mut o = self.zeros::<f32>(out.len())?;
-        let n = out.len() as i64;
-        let mut b = self.stream.launch_builder(self.f(name));
-        b.arg(&s).arg(&mut o).arg(&n);
-        // SAFETY: arguments match the kernel's (const u8*, float*, i64) and
-        // every index the kernel touches is below n (checked above).
-        unsafe { b.launch(grid_1d(out.len())) }.map_err(cu("dequantize"))?;
-        self.down(&o, out)
-    }
 
     #[allow(clippy::too_many_arguments)]
     pub fn attend_biased(

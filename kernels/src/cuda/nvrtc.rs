@@ -17,21 +17,6 @@ const PRELUDE: &str = include_str!("prelude.cuh");
 /// Every kernel source: (file name, CUDA C, the kernels it defines).
 pub const SOURCES: &[(&str, &str, &[&str])] = &[
     (
-        "dequant.cu",
-        include_str!("dequant.cu"),
-        &[
-            "dequant_f32",
-            "dequant_f16",
-            "dequant_bf16",
-            "dequant_q8_0",
-            "dequant_q4_0",
-            "dequant_q4_1",
-            "dequant_q4_k",
-            "dequant_q5_k",
-            "dequant_q6_k",
-        ],
-    ),
-    (
         "layer.cu",
         include_str!("layer.cu"),
         &[

@@ -1,8 +1,6 @@
-// Prepended to every kernel source. Header-free on purpose: NVRTC 12 cannot
-// include <cuda_fp16.h>, so f16/bf16 are converted with PTX and bit shifts.
-// Sources are compiled with --fmad=false so a*b+c rounds twice, as on the CPU.
-typedef unsigned char u8;
-typedef unsigned short u16;
+// Prepended to every kernel source. Header-free on purpose (NVRTC 12 cannot
+// include the CUDA headers). Sources are compiled with --fmad=false so a*b+c
+// rounds twice, as on the CPU.
 typedef long long i64;
 
 // BLOCK, the thread count of every block-reduction kernel, is defined once in
@@ -15,22 +13,6 @@ typedef long long i64;
 #endif
 #define INFINITY __int_as_float(0x7f800000)
 
-__device__ __forceinline__ float h2f(u16 h) {
-#ifdef KVREPLAY_EMU  // the CPU emulation (kernels/emu/cuda_emu.h): a portable exact conversion
-    return kvemu_h2f(h);
-#else
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-#endif
-}
-__device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((unsigned int)b) << 16); }
-__device__ __forceinline__ u16 ld16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
-__device__ __forceinline__ unsigned int ld32(const u8* p) {
-    return (unsigned int)p[0] | ((unsigned int)p[1] << 8) | ((unsigned int)p[2] << 16) |
-           ((unsigned int)p[3] << 24);
-}
-__device__ __forceinline__ float f16_at(const u8* p) { return h2f(ld16(p)); }
 __device__ __forceinline__ i64 global_id() { return (i64)blockIdx.x * blockDim.x + threadIdx.x; }
 
 // Fixed-shape tree reductions over a BLOCK-thread block: the order of
