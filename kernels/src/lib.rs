@@ -13,6 +13,7 @@
 //! rayon threads (work is split into fixed-size blocks, never by thread count).
 
 mod backend;
+mod buf;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -21,7 +22,7 @@ mod resident;
 mod weight;
 
 pub use backend::{Backend, DeviceRequest, Opened};
-pub use resident::{transfers, AttnShape, Buf};
+pub use buf::{transfers, AttnShape, Buf};
 pub use weight::Weight;
 
 /// Threads per block of every CUDA kernel that reduces across a block

@@ -22,8 +22,8 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use crate::buf::{AttnShape, Buf};
 use crate::cpu::{RopeParams, RopeStyle};
-use crate::resident::{AttnShape, Buf};
 use crate::{launch, KernelError, Weight, BLOCK};
 
 pub struct Cuda {
