@@ -86,7 +86,8 @@ impl Backend {
         }
     }
 
-    /// `out` (ids.len(), dim) = rows `ids` of `table` (vocab, dim).
+    /// `out` (ids.len(), dim) = rows `ids` of `table` (vocab, dim); the
+    /// host-slice form of [`Backend::embed`].
     pub fn embedding(
         &self,
         table: &Weight,
@@ -94,34 +95,15 @@ impl Backend {
         ids: &[u32],
         out: &mut [f32],
     ) -> Result<(), KernelError> {
-        check(
-            ids.iter().all(|&i| (i as usize + 1) * dim <= table.len()),
-            "embedding",
-            || {
-                format!(
-                    "an id is outside the table of {} rows",
-                    table.len() / dim.max(1)
-                )
-            },
-        )?;
         check(out.len() == ids.len() * dim, "embedding", || {
             "out is not (ids, dim)".into()
         })?;
-        match self {
-            Backend::Cpu => {
-                cpu::embedding(table, dim, ids, out);
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(_) => {
-                let b = self.embed(table, dim, ids)?;
-                out.copy_from_slice(&self.download(&b)?);
-                Ok(())
-            }
-        }
+        let b = self.embed(table, dim, ids)?;
+        out.copy_from_slice(&self.download(&b)?);
+        Ok(())
     }
 
-    /// `out[m, n] = x[m, k] · w[n, k]ᵀ`.
+    /// `out[m, n] = x[m, k] · w[n, k]ᵀ`; the host-slice form of [`Backend::matmul`].
     pub fn linear(
         &self,
         x: &[f32],
@@ -131,75 +113,33 @@ impl Backend {
         k: usize,
         n: usize,
     ) -> Result<(), KernelError> {
-        check(
-            x.len() == m * k && w.len() == n * k && out.len() == m * n,
-            "linear",
-            || {
-                format!(
-                    "x {} w {} out {} for m={m} k={k} n={n}",
-                    x.len(),
-                    w.len(),
-                    out.len()
-                )
-            },
-        )?;
-        match self {
-            Backend::Cpu => {
-                cpu::linear(x, w, out, m, k, n);
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(_) => {
-                let b = self.matmul(&self.upload(x)?, w, m, k, n)?;
-                out.copy_from_slice(&self.download(&b)?);
-                Ok(())
-            }
-        }
-    }
-
-    /// RMSNorm of each row of `x` (rows, w.len()) in place.
-    pub fn rms_norm(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<(), KernelError> {
-        check(
-            !w.is_empty() && x.len().is_multiple_of(w.len()),
-            "rms_norm",
-            || "x is not (rows, dim)".into(),
-        )?;
-        match self {
-            Backend::Cpu => {
-                cpu::rms_norm(x, w, eps);
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(_) => {
-                let b = self.norm(&self.upload(x)?, &Weight::new(w.to_vec()), eps)?;
-                x.copy_from_slice(&self.download(&b)?);
-                Ok(())
-            }
-        }
-    }
-
-    /// gate = silu(gate) · up.
-    pub fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<(), KernelError> {
-        check(gate.len() == up.len(), "silu_mul", || {
-            "gate and up differ in length".into()
+        check(out.len() == m * n, "linear", || {
+            format!("out {} for m={m} n={n}", out.len())
         })?;
-        match self {
-            Backend::Cpu => {
-                cpu::silu_mul(gate, up);
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(_) => {
-                let mut g = self.upload(gate)?;
-                self.swiglu(&mut g, &self.upload(up)?)?;
-                gate.copy_from_slice(&self.download(&g)?);
-                Ok(())
-            }
-        }
+        let b = self.matmul(&self.upload(x)?, w, m, k, n)?;
+        out.copy_from_slice(&self.download(&b)?);
+        Ok(())
+    }
+
+    /// RMSNorm of each row of `x` (rows, w.len()) in place; the host-slice
+    /// form of [`Backend::norm`].
+    pub fn rms_norm(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<(), KernelError> {
+        let b = self.norm(&self.upload(x)?, &Weight::new(w.to_vec()), eps)?;
+        x.copy_from_slice(&self.download(&b)?);
+        Ok(())
+    }
+
+    /// gate = silu(gate) · up; the host-slice form of [`Backend::swiglu`].
+    pub fn silu_mul(&self, gate: &mut [f32], up: &[f32]) -> Result<(), KernelError> {
+        let mut g = self.upload(gate)?;
+        self.swiglu(&mut g, &self.upload(up)?)?;
+        gate.copy_from_slice(&self.download(&g)?);
+        Ok(())
     }
 
     /// Rotate `x` (rows, n_heads, head_dim), row r at position pos0 + r, by
-    /// `sign` times the RoPE angles (1.0 applies, -1.0 undoes).
+    /// `sign` times the RoPE angles (1.0 applies, -1.0 undoes); the host-slice
+    /// form of [`Backend::rotate`].
     pub fn rope(
         &self,
         x: &mut [f32],
@@ -210,35 +150,24 @@ impl Backend {
         sign: f64,
     ) -> Result<(), KernelError> {
         let row = n_heads * head_dim;
+        check(row > 0 && x.len().is_multiple_of(row), "rope", || {
+            format!("x {} is not (rows, {n_heads}, {head_dim})", x.len())
+        })?;
         check(
-            row > 0
-                && x.len().is_multiple_of(row)
-                && p.rotated_dims <= head_dim
-                && p.rotated_dims.is_multiple_of(2),
+            p.rotated_dims <= head_dim && p.rotated_dims.is_multiple_of(2),
             "rope",
             || {
                 format!(
-                    "x {} is not (rows, {n_heads}, {head_dim}), or rotated_dims {} is odd or above head_dim",
-                    x.len(),
+                    "rotated_dims {} is odd or above head_dim {head_dim}",
                     p.rotated_dims
                 )
             },
         )?;
-        match self {
-            Backend::Cpu => {
-                let table = cpu::rope_table(x.len() / row, pos0, p, sign);
-                cpu::rotate_with_table(x, n_heads, head_dim, p.style, p.rotated_dims, &table);
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(_) => {
-                let table = self.rope_table(x.len() / row, pos0, p, sign)?;
-                let mut b = self.upload(x)?;
-                self.rotate(&mut b, n_heads, head_dim, p, &table)?;
-                x.copy_from_slice(&self.download(&b)?);
-                Ok(())
-            }
-        }
+        let table = self.rope_table(x.len() / row, pos0, p, sign)?;
+        let mut b = self.upload(x)?;
+        self.rotate(&mut b, n_heads, head_dim, p, &table)?;
+        x.copy_from_slice(&self.download(&b)?);
+        Ok(())
     }
 
     /// Causal attention of one head with optional column sums and

@@ -25,6 +25,8 @@
 //! within k·u·Σ|terms| of the exact sum in any order, so two orders are within
 //! 2k·u·Σ|terms| of each other; the bounds below follow from that, per value.
 
+mod common;
+use common::Rng;
 use std::collections::BTreeSet;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
@@ -446,27 +448,6 @@ fn emulate(test: &str, launches: Vec<Launch>) -> Option<Vec<Ran>> {
 }
 
 // ------------------------------------------------------------ data and checks
-
-struct Rng(u64);
-impl Rng {
-    fn u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.f()).collect()
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.u64() % n
-    }
-}
 
 /// Bit for bit (NaNs: both NaN).
 fn exact(got: &[f32], want: &[f32], what: &str) {

@@ -9,6 +9,8 @@
 //! ulps of f32 exp/sqrt; gathers and data movement are exact (the same f32
 //! operations in the same order; CUDA sources are compiled with --fmad=false).
 
+mod common;
+use common::Rng;
 use std::sync::OnceLock;
 
 use kvreplay_kernels::cpu::{AttentionStats, RopeParams, RopeStyle};
@@ -34,24 +36,6 @@ fn backends(test: &str) -> Vec<Backend> {
         Err(why) => eprintln!("{test}: CUDA not run: {why}"),
     }
     v
-}
-
-struct Rng(u64);
-impl Rng {
-    fn u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.f()).collect()
-    }
 }
 
 fn close(got: &[f32], want: &[f64], tol: impl Fn(usize) -> f64, what: &str) {
@@ -427,6 +411,30 @@ fn parity_residual_add_transpose_and_copy() {
         let e = b.upload(&[]).unwrap();
         assert!(b.download(&e).unwrap().is_empty());
         assert!(b.transpose_heads(&e, 0, heads, d, true).unwrap().is_empty());
+        // No rows: nothing is launched (a one-block launch over an empty
+        // buffer wrote out of bounds on CUDA; found by the emulated ASan run).
+        let w = Weight::new(vec![1.0; 4]);
+        assert!(b.norm(&e, &w, 1e-5).unwrap().is_empty());
+        let shape = AttnShape {
+            n_heads: 2,
+            n_kv_heads: 1,
+            c: 0,
+            pos0: 3,
+            cap: 3,
+            head_dim: 4,
+            scale: 0.5,
+        };
+        let kv = b.upload(&[0.5; 12]).unwrap();
+        let mut cs = b.upload(&[0.25; 6]).unwrap();
+        let o = b
+            .attention(&e, &kv, &kv, shape, Some(&mut cs), None)
+            .unwrap();
+        assert!(o.is_empty());
+        assert_eq!(
+            *b.download(&cs).unwrap(),
+            [0.25f32; 6][..],
+            "no queries add nothing"
+        );
     }
 }
 
