@@ -28,11 +28,11 @@ pub fn resolve_model(arg: Option<PathBuf>) -> Result<PathBuf> {
 pub enum Work {
     /// Capture (and validate): `auto` uses CUDA when a usable GPU is present.
     /// On an H100 the CUDA capture matched the CPU's (q/k/v/o within 3e-5
-    /// relative L2, the same greedy tokens) and ran 8.5x (prefill) and 5x
+    /// relative L2, the same greedy tokens) and ran 4.9x (prefill) and 4.1x
     /// (decode) faster than the 16-core CPU beside it.
     Capture,
     /// Replay and sweeps: `auto` uses the CPU. On the same machine replaying
-    /// on CUDA took 23x longer than on the CPU (each step copies a small
+    /// on CUDA took 25x longer than on the CPU (each step copies a small
     /// problem to the device and back); `--device cuda` still runs it.
     Replay,
 }
