@@ -55,26 +55,102 @@ pub(crate) struct Ctx<'a> {
     /// Every layer as f32: the replays' own copies.
     pub(super) layers: Vec<std::sync::Arc<LayerData>>,
     pub(super) p: usize,
-    pub(super) errors: HashMap<(String, usize), f64>,
+    /// Replays run so far, per (spec, budget).
+    pub(super) runs: HashMap<(String, usize), Run>,
+}
+
+/// What the claims read from one replay.
+#[derive(Clone, Debug)]
+pub(crate) struct Run {
+    /// Mean relative L2 error over every (layer, query head).
+    pub(super) err: f64,
+    /// Mean relative L2 error of each layer.
+    pub(super) layer_err: Vec<f64>,
+    /// Bytes kept at the end of the run, and those of the full cache.
+    pub(super) bytes: u64,
+    pub(super) full: u64,
 }
 
 impl Ctx<'_> {
     /// Mean relative L2 error of `spec` at budget `b` (cached).
     pub(super) fn err(&mut self, spec: &str, b: usize) -> Result<f64, ReplayError> {
-        if let Some(e) = self.errors.get(&(spec.to_string(), b)) {
-            return Ok(*e);
+        Ok(self.run(spec, b)?.err)
+    }
+
+    /// Mean relative L2 error, bytes kept and full-cache bytes of `spec` at
+    /// budget `b` (cached).
+    pub(super) fn run(&mut self, spec: &str, b: usize) -> Result<Run, ReplayError> {
+        if let Some(r) = self.runs.get(&(spec.to_string(), b)) {
+            return Ok(r.clone());
         }
         let p = PolicySpec::parse(spec)?.build()?;
-        let e = self
-            .tr
-            .replay(p.as_ref(), Budget::Entries(b))?
-            .mean(|h| h.rel_l2);
-        self.errors.insert((spec.to_string(), b), e);
-        Ok(e)
+        let r = self.tr.replay(p.as_ref(), Budget::Entries(b))?;
+        let out = Run {
+            err: r.mean(|h| h.rel_l2),
+            layer_err: r
+                .layers
+                .iter()
+                .map(|l| {
+                    l.metrics.iter().map(|m| m.rel_l2).sum::<f64>() / l.metrics.len().max(1) as f64
+                })
+                .collect(),
+            bytes: r.bytes(),
+            full: r.full_bytes(),
+        };
+        self.runs.insert((spec.to_string(), b), out.clone());
+        Ok(out)
     }
 
     pub(super) fn errs(&mut self, specs: &[&str], b: usize) -> Result<Vec<f64>, ReplayError> {
         specs.iter().map(|s| self.err(s, b)).collect()
+    }
+
+    /// Memory of `spec` at budget `b` as a share of the full cache.
+    pub(super) fn mem(&mut self, spec: &str, b: usize) -> Result<f64, ReplayError> {
+        let r = self.run(spec, b)?;
+        Ok(r.bytes as f64 / r.full.max(1) as f64)
+    }
+
+    /// "B = 90 entries/KV head (P/4), memory 23-26% of the full cache": the
+    /// budget and the memory the runs of `specs` at `b` actually kept.
+    pub(super) fn at(&mut self, specs: &[&str], b: usize) -> Result<String, ReplayError> {
+        let m: Vec<f64> = specs
+            .iter()
+            .map(|s| self.mem(s, b))
+            .collect::<Result<_, _>>()?;
+        Ok(format!("{}, {}", self.budget(b), mem_range(&m)))
+    }
+
+    /// "B = 90 entries/KV head (25% of P = 363)".
+    pub(super) fn budget(&self, b: usize) -> String {
+        format!(
+            "B = {b} entries/KV head ({:.0}% of P = {})",
+            100.0 * b as f64 / self.p as f64,
+            self.p
+        )
+    }
+
+    /// The largest budget at which `spec` keeps at most `target` bytes (at
+    /// least 1), found by bisection: variants that clamp or redistribute
+    /// their budget are compared at equal real memory this way.
+    pub(super) fn budget_for_bytes(
+        &mut self,
+        spec: &str,
+        target: u64,
+    ) -> Result<usize, ReplayError> {
+        let (mut lo, mut hi) = (1usize, self.p);
+        if self.run(spec, hi)?.bytes <= target {
+            return Ok(hi);
+        }
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if self.run(spec, mid)?.bytes <= target {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        Ok(lo)
     }
 
     /// Column sums of layer l, head h over prompt keys (f64).
@@ -129,6 +205,21 @@ pub(super) fn fmt(v: &[f64]) -> String {
         .map(|x| format!("{x:.3}"))
         .collect::<Vec<_>>()
         .join(" / ")
+}
+
+/// "memory 23-26% of the full cache" (one figure when they agree).
+pub(super) fn mem_range(m: &[f64]) -> String {
+    let lo = m.iter().cloned().fold(f64::MAX, f64::min);
+    let hi = m.iter().cloned().fold(f64::MIN, f64::max);
+    if (hi - lo) * 100.0 < 0.5 {
+        format!("memory {:.0}% of the full cache", 100.0 * hi)
+    } else {
+        format!(
+            "memory {:.0}-{:.0}% of the full cache",
+            100.0 * lo,
+            100.0 * hi
+        )
+    }
 }
 
 pub(super) fn b0(p: usize) -> usize {
