@@ -460,6 +460,27 @@ fn kvmerger_sets_follow_adjacent_cosine() {
 }
 
 #[test]
+fn kvmerger_soft_mode_represents_every_prompt_position_once() {
+    // the paper's defaults (recent window and heavy hitters kept apart): every
+    // prompt position sits in exactly one entry of each KV head's cache
+    // (this was claim K10 of `kvreplay claims`, true by construction)
+    for seed in 0..4 {
+        let data = random_layer(seed, 4, 2, 8, 60, 60);
+        let p = PolicySpec::parse("kvmerger:budget_mode=soft")
+            .unwrap()
+            .build()
+            .unwrap();
+        let (caches, _) = p.prefill(&PrefillCtx::new(&data, 1)).unwrap();
+        assert_eq!(caches.len(), 2);
+        for c in &caches {
+            let mut seen: Vec<u32> = c.members.iter().flatten().copied().collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..60u32).collect::<Vec<_>>(), "seed {seed}");
+        }
+    }
+}
+
+#[test]
 fn kvmerger_gaussian_weights_and_value_scaling() {
     // Two similar keys: k0 = (1, 0), k1 = (1, 0.5) (cos 0.894 > 0.75). Pivot = the
     // larger accumulated attention: position 1. Distances 0.5 and 0, adaptive

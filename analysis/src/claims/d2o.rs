@@ -176,7 +176,7 @@ pub(super) fn d2o(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayError> 
         claim: "merging keeps long-range information: D2O's lead over H2O grows as more of the prompt is evicted",
         paper: "Fig. 6, 8 (D2O flat with context length, H2O degrades)".into(),
         measured: format!(
-            "rel_l2 D2O / H2O at B = {budgets:?} entries/KV head (P = {p}; D2O memory {}): {} / {} / {}; H2O − D2O: {}",
+            "rel_l2 D2O / H2O at B = {budgets:?} entries/KV head (P = {p}; D2O memory {} of the full cache): {} / {} / {}; H2O − D2O: {}",
             mems.join(" / "),
             fmt(&[ed[0], eh[0]]),
             fmt(&[ed[1], eh[1]]),

@@ -135,7 +135,7 @@ pub(super) fn minicache(c: &mut Ctx, out: &mut Vec<Claim>) -> Result<(), ReplayE
         measured: format!(
             "retained share of (position, half) pairs ≈ {:.1}% (γ = 0.05, merging from 1/2 depth; {})",
             100.0 * retained_frac,
-            c.budget(b)
+            c.at(&["minicache:start=0.5"], b)?
         ),
         verdict: if retained_frac <= 0.01 {
             Verdict::Agrees
