@@ -391,11 +391,11 @@ fn claims_cover_the_five_seed_methods() {
     let claims: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     for (method, n) in [
-        ("ems", 10),
-        ("d2o", 10),
-        ("kvmerger", 10),
-        ("ahakv", 10),
-        ("minicache", 5),
+        ("ems", 9),
+        ("d2o", 9),
+        ("kvmerger", 9),
+        ("ahakv", 9),
+        ("minicache", 4),
     ] {
         assert_eq!(
             claims.iter().filter(|c| c["method"] == method).count(),
@@ -404,13 +404,20 @@ fn claims_cover_the_five_seed_methods() {
         );
     }
     for c in &claims {
-        assert!(!c["measured"].as_str().unwrap().contains("NaN"), "{c}");
+        let m = c["measured"].as_str().unwrap();
+        assert!(!m.contains("NaN"), "{c}");
+        // every claim states its memory, or that it runs no replay
+        assert!(
+            c["verdict"] == "not_checkable"
+                || m.contains("no replay")
+                || m.contains("of the full cache"),
+            "{c}"
+        );
     }
-    // identities the trace must satisfy whatever the model
-    let e3 = claims.iter().find(|c| c["id"] == "E3").unwrap();
-    assert_eq!(e3["verdict"], "agrees", "{e3}");
-    let k10 = claims.iter().find(|c| c["id"] == "K10").unwrap();
-    assert_eq!(k10["verdict"], "agrees", "{k10}");
+    // the claims that held by construction are gone (they are policy tests)
+    for id in ["E3", "D10", "K10", "A10", "M5"] {
+        assert!(claims.iter().all(|c| c["id"] != id), "{id}");
+    }
 }
 
 /// A small sweep on the real trace writes CSVs that pandas reads as documented.

@@ -116,7 +116,9 @@ fn write_trace(dir: &Path, name: &str, s: &Shape) -> PathBuf {
     let out = dir.join(name);
     let mut w = TraceWriter::create(&out, layout, false).unwrap();
     let scale = 1.0 / (D as f32).sqrt();
-    let (mut prev_k, mut prev_v): (Vec<Vec<Vec<f32>>>, Vec<Vec<Vec<f32>>>) = (vec![], vec![]);
+    // the noise series of the previous layer, per KV head
+    type Rows = Vec<Vec<f32>>;
+    let (mut prev_k, mut prev_v): (Vec<Rows>, Vec<Rows>) = (vec![], vec![]);
     for l in 0..NL {
         let carry = lerp(s.depth_carry, l);
         let temp = lerp(s.temp, l);
@@ -189,14 +191,14 @@ fn write_trace(dir: &Path, name: &str, s: &Shape) -> PathBuf {
                     .collect();
                 let mx = lg.iter().cloned().fold(f64::MIN, f64::max);
                 let z: f64 = lg.iter().map(|x| (x - mx).exp()).sum();
-                let mut row = vec![0f64; D];
+                let mut row = [0f64; D];
                 for (i, x) in lg.iter().enumerate() {
                     let a = (x - mx).exp() / z;
                     if pos < P {
                         colsum[i] += a as f32;
                     }
-                    for c in 0..D {
-                        row[c] += a * vs[g].1[i][c] as f64;
+                    for (r, v) in row.iter_mut().zip(&vs[g].1[i]) {
+                        *r += a * *v as f64;
                     }
                 }
                 o.extend(row.iter().map(|x| *x as f32));

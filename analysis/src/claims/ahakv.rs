@@ -1,4 +1,4 @@
-//! AhaKV (adaptive holistic attention-driven eviction): claims A1-A10.
+//! AhaKV (adaptive holistic attention-driven eviction): claims A1-A9 (A10 removed: see mod.rs).
 
 use kvreplay_replay::policy::PrefillCtx;
 use kvreplay_replay::{Budget, PolicySpec, ReplayError};

@@ -1,4 +1,4 @@
-//! D2O (dynamic discriminative operations): claims D1-D10.
+//! D2O (dynamic discriminative operations): claims D1-D9 (D10 removed: see mod.rs).
 
 use kvreplay_replay::ReplayError;
 

@@ -1,4 +1,4 @@
-//! EMS (evict-then-merge with global-local scores): claims E1-E10.
+//! EMS (evict-then-merge with global-local scores): claims E1-E2, E4-E10 (E3 removed: see mod.rs).
 
 use kvreplay_replay::ReplayError;
 

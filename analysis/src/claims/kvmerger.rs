@@ -1,4 +1,4 @@
-//! KVMerger (adaptive Gaussian merging of similar adjacent keys): claims K1-K10.
+//! KVMerger (adaptive Gaussian merging of similar adjacent keys): claims K1-K9 (K10 removed: see mod.rs).
 
 use kvreplay_replay::{Budget, PolicySpec, ReplayError};
 

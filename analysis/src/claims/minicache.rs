@@ -1,4 +1,4 @@
-//! MiniCache (merging adjacent layers in depth): claims M1-M5.
+//! MiniCache (merging adjacent layers in depth): claims M1-M4 (M5 removed: see mod.rs).
 
 use kvreplay_replay::{Budget, PolicySpec, ReplayError};
 

@@ -43,7 +43,15 @@
 //! averaging pilot keeps no heavy hitters, K9 at 35% uses the paper's
 //! 0.08/0.02 split, A6 applies the value prior to AhaKV's recent-window
 //! step-gain score, M1 checks values as well as keys, M3 averages over the
-//! merged layers only.
+//! merged layers only. A1 also compares the trend with its exchangeable-row
+//! null (causal masking alone makes accumulated attention fall), A2 disagrees
+//! when a strong trend remains (it was `partly` whenever the window trend was
+//! above the full one, which causality gives), and E7 needs γ = 1 strictly
+//! worst (a tie means γ has no effect).
+//!
+//! `analysis/tests/claims.rs` runs every claim on two synthetic traces of
+//! opposite structure: each comes out `agrees` on one and `DISAGREES` on the
+//! other, or is listed there with the reason it does not.
 //!
 //! `ctx.rs` holds what they share (`Verdict`, `Claim`, the measurement
 //! context `Ctx`, small helpers); this file runs them all (`measure`).
