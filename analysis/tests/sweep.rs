@@ -338,6 +338,16 @@ fn claims_on_a_too_short_prompt_say_so() {
     let t = Trace::open(write_trace(tmp.path(), "min.kvtrace", 3, 64, 70)).unwrap();
     let claims = kvreplay_analysis::claims::measure(&t).unwrap();
     assert_eq!(claims.len(), 40, "{} claims", claims.len());
+    // a NaN only where too few layers leave nothing to compare (2 layers here)
+    let nan: Vec<_> = claims
+        .iter()
+        .filter(|c| {
+            c.measured.contains("NaN")
+                && c.verdict != kvreplay_analysis::claims::Verdict::NotCheckable
+        })
+        .map(|c| format!("{}: {}", c.id, c.measured))
+        .collect();
+    assert!(nan.is_empty(), "{nan:#?}");
 }
 
 #[test]
