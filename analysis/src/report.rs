@@ -267,7 +267,7 @@ fn figure(
             }
         }
         let vline = (metric.x == X::Memory && plan.policies.iter().any(|p| short(p) == "full"))
-            .then(|| (1.0, "full cache (100%, error 0)".to_string()));
+            .then(|| (1.0, "full cache (100%)".to_string()));
         out_panels.push(Panel {
             title: ptitle.clone(),
             series,
