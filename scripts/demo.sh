@@ -18,8 +18,8 @@ policies=$("$kv" policies | grep -E '^[a-z_0-9]+' -o | tr '\n' ' ')
 # shellcheck disable=SC2086
 "$kv" sweep --traces results/suite --policy $policies --budget 32,64,128,256,512,1024 --out results/sweep
 echo
-echo "mean relative L2 error over the suite at budget 128 (lower is better):"
-awk -F, 'NR > 1 && $3 == 128 { s[$2] += $4; n[$2]++ } END { for (p in s) printf "  %-14s %.4f\n", p, s[p] / n[p] }' results/sweep/summary.csv | sort -k2 -n
+# policies use unequal memory at equal budget: rank them at equal memory
+"$kv" compare results/sweep --rank
 echo
 echo "== closed-loop check on one trace: does replay error predict the model's own (about 1 minute)"
 "$kv" validate --trace results/suite/passkey-0512-d10.kvtrace --policy streaming_llm h2o snapkv tova --budget 32,64,128,256 --out results/validate

@@ -155,7 +155,7 @@ wait_jobs() { # JOBID... : until none is pending or running (at most 20 minutes)
 }
 same_files() { # DIR DIR : the merged sweep equals the unsharded one, byte for byte
     local f n=0
-    for f in results.csv summary.csv report.html error_vs_budget.svg error_vs_memory.svg \
+    for f in results.csv summary.csv summary.tex report.html error_vs_budget.svg error_vs_memory.svg \
         retention_by_position.svg layer_error_heatmap.svg needle_retention.svg failed.csv; do
         # failed.csv exists only when some point failed: then in both
         if [ "$f" = failed.csv ] && [ ! -f "$1/$f" ] && [ ! -f "$2/$f" ]; then continue; fi

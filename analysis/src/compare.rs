@@ -186,7 +186,7 @@ pub fn compare(dir: &Path, opts: &Options) -> Result<Comparison, CompareError> {
 }
 
 /// A policy's short name: the policy names of its parts, without parameters.
-fn short(spec: &str) -> String {
+pub fn short(spec: &str) -> String {
     spec.split('+')
         .map(|p| p.split(':').next().unwrap_or(p))
         .collect::<Vec<_>>()
@@ -230,7 +230,7 @@ pub fn resolve_method(plan: &Plan, method: &str) -> Result<String, CompareError>
 
 /// The label of a spec in the text: its short name where no other policy of
 /// the plan shares it, else the spec.
-fn label(plan: &Plan, spec: &str) -> String {
+pub fn label(plan: &Plan, spec: &str) -> String {
     let s = short(spec);
     if plan.policies.iter().filter(|p| short(p) == s).count() > 1 {
         spec.to_string()

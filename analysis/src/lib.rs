@@ -10,6 +10,8 @@
 pub mod claims;
 pub mod compare;
 pub mod cost;
+pub mod figure;
+pub mod rank;
 pub mod report;
 pub mod stats;
 pub mod sweep;

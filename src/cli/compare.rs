@@ -10,11 +10,16 @@ pub(super) struct CompareArgs {
     /// A sweep folder (also a merged one): its plan.json and finished points.
     sweep: PathBuf,
     /// Method A: a policy spec of the sweep or its short name (snapkv).
-    #[arg(long)]
-    a: String,
+    #[arg(long, required_unless_present = "rank")]
+    a: Option<String>,
     /// Method B, compared with A (differences are A - B).
-    #[arg(long)]
-    b: String,
+    #[arg(long, required_unless_present = "rank")]
+    b: Option<String>,
+    /// Instead of A against B: every policy ranked by its mean error at 10%,
+    /// 20% and 50% of the full cache (`--memory` for other shares), with 95%
+    /// bootstrap intervals over traces: the ranking report.html opens with.
+    #[arg(long, conflicts_with_all = ["a", "b", "json"])]
+    rank: bool,
     /// Memory shares of the full cache, comma-separated (0.2 = 20%). Default:
     /// 5%, 10%, 20%, ..., 100% where both methods are measured on every trace.
     #[arg(long, value_delimiter = ',')]
@@ -34,9 +39,29 @@ pub(super) struct CompareArgs {
 }
 
 pub(super) fn cmd_compare(a: CompareArgs) -> Result<()> {
+    if a.rank {
+        let ctx = || format!("ranking in {}", a.sweep.display());
+        let plan = kvreplay_analysis::sweep::read_plan(&a.sweep).with_context(ctx)?;
+        let points = kvreplay_analysis::sweep::load_points(&a.sweep, &plan).with_context(ctx)?;
+        let shares = if a.memory.is_empty() {
+            kvreplay_analysis::rank::SHARES.to_vec()
+        } else {
+            a.memory
+        };
+        if let Some(x) = shares.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+            anyhow::bail!(
+                "--memory {x}: a memory share must be positive (0.2 is 20% of the full cache)"
+            );
+        }
+        print!(
+            "{}",
+            kvreplay_analysis::rank::rank(&plan, &points, &shares).to_text()
+        );
+        return Ok(());
+    }
     let opts = kvreplay_analysis::compare::Options {
-        a: a.a,
-        b: a.b,
+        a: a.a.unwrap_or_default(),
+        b: a.b.unwrap_or_default(),
         memory: (!a.memory.is_empty()).then_some(a.memory),
         confidence: a.confidence,
         resamples: a.resamples,
