@@ -635,6 +635,26 @@ fn layer_heatmap(a: &Agg, path: &Path) -> PlotResult {
     Ok(())
 }
 
+/// The summary table's cells for policy `i` at budget `b`: the means over
+/// traces of rel_l2_mean, rel_l2_p95, cosine, attention mass, entry-KL,
+/// memory ratio and needle retention (`missing` where there is none).
+fn summary_cells(a: &Agg, i: usize, b: usize, missing: &str) -> [String; 7] {
+    let f = |g: &dyn Fn(&PointResult) -> Option<f64>| {
+        a.stat(i, b, g)
+            .map(|x| format!("{:.4}", x.1))
+            .unwrap_or_else(|| missing.into())
+    };
+    [
+        f(&|p| Some(p.summary.rel_l2_mean)),
+        f(&|p| Some(p.summary.rel_l2_p95)),
+        f(&|p| Some(p.summary.cosine_mean)),
+        f(&|p| Some(p.summary.attn_mass_mean)),
+        f(&|p| Some(p.summary.kl_mean)),
+        f(&|p| Some(p.summary.memory_ratio)),
+        f(&|p| p.summary.needle_retention),
+    ]
+}
+
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -743,21 +763,10 @@ fn latex(a: &Agg, r: &Ranking) -> String {
             if !a.cells.contains_key(&(i, b)) {
                 continue;
             }
-            let f = |g: &dyn Fn(&PointResult) -> Option<f64>| {
-                a.stat(i, b, g)
-                    .map(|x| format!("{:.4}", x.1))
-                    .unwrap_or_else(|| "--".into())
-            };
             s += &format!(
-                "{} & {b} & {} & {} & {} & {} & {} & {} & {} \\\\\n",
+                "{} & {b} & {} \\\\\n",
                 tex(&a.label(i)),
-                f(&|p| Some(p.summary.rel_l2_mean)),
-                f(&|p| Some(p.summary.rel_l2_p95)),
-                f(&|p| Some(p.summary.cosine_mean)),
-                f(&|p| Some(p.summary.attn_mass_mean)),
-                f(&|p| Some(p.summary.kl_mean)),
-                f(&|p| Some(p.summary.memory_ratio)),
-                f(&|p| p.summary.needle_retention),
+                summary_cells(a, i, b, "--").join(" & ")
             );
         }
     }
@@ -925,21 +934,10 @@ pub fn write(out: &Path, plan: &Plan) -> Result<(), SweepError> {
     html.push_str("</tr></thead><tbody>");
     for i in 0..a.policies.len() {
         for &b in &a.budgets {
-            let f = |g: &dyn Fn(&PointResult) -> Option<f64>| {
-                a.stat(i, b, g)
-                    .map(|s| format!("{:.4}", s.1))
-                    .unwrap_or_else(|| "-".into())
-            };
             html.push_str(&format!(
-                "<tr><td>{}</td><td>{b}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                "<tr><td>{}</td><td>{b}</td><td>{}</td></tr>",
                 esc(&a.label(i)),
-                f(&|p| Some(p.summary.rel_l2_mean)),
-                f(&|p| Some(p.summary.rel_l2_p95)),
-                f(&|p| Some(p.summary.cosine_mean)),
-                f(&|p| Some(p.summary.attn_mass_mean)),
-                f(&|p| Some(p.summary.kl_mean)),
-                f(&|p| Some(p.summary.memory_ratio)),
-                f(&|p| p.summary.needle_retention),
+                summary_cells(&a, i, b, "-").join("</td><td>")
             ));
         }
     }

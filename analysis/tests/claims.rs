@@ -3,6 +3,8 @@
 //! `DISAGREES` on the other, or be listed in `ONE_SIDED` with the reason.
 //! This is what keeps a claim from being true by construction.
 
+mod common;
+use common::synthetic_manifest;
 use kvreplay_analysis::claims::{measure, Verdict};
 use kvreplay_traces::*;
 use std::path::{Path, PathBuf};
@@ -209,58 +211,7 @@ fn write_trace(dir: &Path, name: &str, s: &Shape) -> PathBuf {
         prev_k = ks.into_iter().map(|x| x.0).collect();
         prev_v = vs.into_iter().map(|x| x.0).collect();
     }
-    let m = Manifest {
-        format: FORMAT_NAME.into(),
-        format_version: FORMAT_VERSION,
-        model: ModelInfo {
-            architecture: "llama".into(),
-            name: None,
-            n_layers: NL,
-            n_heads: NH,
-            n_kv_heads: NKV,
-            head_dim: D,
-            d_model: NH * D,
-            ffn_dim: 0,
-            vocab_size: 0,
-            context_length: T,
-            norm_eps: 1e-5,
-            attn_scale: scale as f64,
-            rope: Rope {
-                theta: 10000.0,
-                style: RopeStyle::Neox,
-                rotated_dims: D,
-                scaling: RopeScaling::None,
-            },
-            source: SourceFile {
-                file_name: "synthetic".into(),
-                sha256: String::new(),
-                size: 0,
-            },
-        },
-        tokens: Tokens {
-            ids: vec![0; T],
-            prompt_len: P,
-            text: vec![String::new(); T],
-        },
-        generation: Generation {
-            method: "greedy".into(),
-            n_decode: T - P,
-        },
-        spans: vec![],
-        capture: CaptureInfo {
-            device: "cpu".into(),
-            dtype: Dtype::F32,
-            compute_dtype: "f32".into(),
-            prefill_chunk: 1,
-            threads: 1,
-            attn_probs: false,
-            chat_template: false,
-            prompt_source: "test".into(),
-            kvreplay_version: "test".into(),
-            created: "2026-01-01T00:00:00Z".into(),
-        },
-        files: vec![],
-    };
+    let m = synthetic_manifest((NL, NH, NKV, D), P, T, scale as f64, vec![]);
     w.finish(m).unwrap()
 }
 

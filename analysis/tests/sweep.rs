@@ -1,122 +1,14 @@
 //! Sweeps on small synthetic traces: resumption and sharding reproduce the
 //! uninterrupted run byte for byte; bad plans fail before any work.
 
+mod common;
+use common::{write_trace, write_trace_scaled};
 use kvreplay_analysis::cost::TraceShape;
 use kvreplay_analysis::sweep::{merge, run, Plan, Shard};
 use kvreplay_traces::*;
 use std::path::{Path, PathBuf};
 
 /// A random 2-layer trace (4 query heads, 2 KV heads, d = 8) with a needle span.
-fn write_trace(dir: &Path, name: &str, seed: u64, p: usize, t: usize) -> PathBuf {
-    write_trace_scaled(dir, name, seed, p, t, 1.0)
-}
-
-fn write_trace_scaled(
-    dir: &Path,
-    name: &str,
-    seed: u64,
-    p: usize,
-    t: usize,
-    key_scale: f32,
-) -> PathBuf {
-    let layout = TraceLayout {
-        n_layers: 2,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim: 8,
-        total_len: t,
-        prompt_len: p,
-        dtype: Dtype::F32,
-        attn_probs: false,
-    };
-    let out = dir.join(name);
-    let mut w = TraceWriter::create(&out, layout, false).unwrap();
-    let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    let mut rnd = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        ((x >> 11) as f64 / (1u64 << 53) as f64) as f32 * 2.0 - 1.0
-    };
-    for l in 0..2 {
-        let lw = w.layer(l);
-        for h in 0..4 {
-            let q: Vec<f32> = (0..t * 8).map(|_| rnd()).collect();
-            lw.write_rows(TensorKind::Q, h, 0, &q);
-            lw.write_rows(TensorKind::O, h, 0, &q);
-            lw.write_colsum(
-                h,
-                &(0..p)
-                    .map(|i| 1.0 / (i + 1) as f32 + rnd().abs())
-                    .collect::<Vec<_>>(),
-            );
-        }
-        for g in 0..2 {
-            let k: Vec<f32> = (0..t * 8).map(|_| key_scale * rnd()).collect();
-            let v: Vec<f32> = (0..t * 8).map(|_| rnd()).collect();
-            lw.write_rows(TensorKind::K, g, 0, &k);
-            lw.write_rows(TensorKind::V, g, 0, &v);
-        }
-    }
-    let m = Manifest {
-        format: FORMAT_NAME.into(),
-        format_version: FORMAT_VERSION,
-        model: ModelInfo {
-            architecture: "llama".into(),
-            name: None,
-            n_layers: 2,
-            n_heads: 4,
-            n_kv_heads: 2,
-            head_dim: 8,
-            d_model: 32,
-            ffn_dim: 0,
-            vocab_size: 0,
-            context_length: t,
-            norm_eps: 1e-5,
-            attn_scale: 1.0 / 8f64.sqrt(),
-            rope: Rope {
-                theta: 10000.0,
-                style: RopeStyle::Neox,
-                rotated_dims: 8,
-                scaling: RopeScaling::None,
-            },
-            source: SourceFile {
-                file_name: "synthetic".into(),
-                sha256: String::new(),
-                size: 0,
-            },
-        },
-        tokens: Tokens {
-            ids: vec![0; t],
-            prompt_len: p,
-            text: vec![String::new(); t],
-        },
-        generation: Generation {
-            method: "greedy".into(),
-            n_decode: t - p,
-        },
-        spans: vec![Span {
-            name: "needle".into(),
-            start: p / 2,
-            end: p / 2 + 4,
-        }],
-        capture: CaptureInfo {
-            device: "cpu".into(),
-            dtype: Dtype::F32,
-            compute_dtype: "f32".into(),
-            prefill_chunk: 1,
-            threads: 1,
-            attn_probs: false,
-            chat_template: false,
-            prompt_source: "test".into(),
-            kvreplay_version: "test".into(),
-            created: "2026-01-01T00:00:00Z".into(),
-        },
-        files: vec![],
-    };
-    w.finish(m).unwrap()
-}
-
 fn plan(dir: &Path) -> Plan {
     let traces = vec![
         write_trace(dir, "a.kvtrace", 1, 40, 46),
