@@ -404,18 +404,22 @@ pub fn draw(fig: &Figure, path: &Path) -> PlotResult {
 }
 
 /// Write a PNG beside each SVG with `rsvg-convert` (2,000 px wide) where it
-/// is installed; without it, or if it fails, nothing (the SVGs are the figures).
+/// is installed; without it, or if it fails, nothing (the SVGs are the
+/// figures). Rendered to a temporary name and renamed, so an interrupted
+/// render leaves no partial PNG.
 pub fn png(svg: &Path) {
     let png = svg.with_extension("png");
+    let tmp = svg.with_extension("png.partial");
     let ok = std::process::Command::new("rsvg-convert")
         .args(["-w", "2000", "-b", "white", "-o"])
-        .arg(&png)
+        .arg(&tmp)
         .arg(svg)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    if !ok {
+    if !ok || std::fs::rename(&tmp, &png).is_err() {
+        let _ = std::fs::remove_file(&tmp);
         let _ = std::fs::remove_file(&png);
     }
 }
