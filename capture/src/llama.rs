@@ -362,18 +362,27 @@ impl Llama {
         };
         // Host-device traffic per call: the token ids and the RoPE table go
         // up; every layer's q, k, v and o come down together after the last
-        // layer (plus each layer's probabilities when asked), then the
-        // logits. Everything else stays where the backend computes.
+        // layer, then the logits. Everything else stays where the backend
+        // computes. With probabilities, (n_heads, c, n) per layer, each
+        // layer's taps come down as soon as it is done (one copy of q/k/v/o,
+        // one of the probabilities) rather than holding every layer's.
         let rope = be.rope_table(c, pos0, &cfg.rope, 1.0)?;
-        // Taps of every layer, gathered on the device: per layer q, k, v, o.
+        // Taps gathered on the device: per layer q, k, v, o.
         let (q_len, kv_len) = (nh * c * hd, nkv * c * hd);
         let tap_len = 2 * (q_len + kv_len);
-        let mut tap_buf = if opts.attention.is_none() {
-            be.zeros(cfg.n_layers * tap_len)?
-        } else {
-            be.zeros(0)?
+        let layers_held = match (&opts.attention, opts.probs) {
+            (None, false) => cfg.n_layers,
+            (None, true) => 1,
+            (Some(_), _) => 0,
         };
-        let mut pending_probs: Vec<Option<Buf>> = Vec::new();
+        let mut tap_buf = be.zeros(layers_held * tap_len)?;
+        let split = |t: &[f32]| {
+            let (q, rest) = t.split_at(q_len);
+            let (k, rest) = rest.split_at(kv_len);
+            let (v, o) = rest.split_at(kv_len);
+            (q.to_vec(), k.to_vec(), v.to_vec(), o.to_vec())
+        };
+        let mut held = 0;
         // x: (c, d_model) residual stream
         let mut x = be.embed(&self.embed, dm, tokens)?;
         for (l, w) in self.layers.iter().enumerate() {
@@ -418,10 +427,10 @@ impl Llama {
                 let colsum = opts.colsum.as_deref_mut().map(|cs| &mut cs[l]);
                 let o =
                     be.attention(&q, &cache.k[l], &cache.v[l], shape, colsum, probs.as_mut())?;
-                // Gather this layer's taps on the device; they come down
-                // together after the last layer, so the host never waits on
-                // the device inside the layer loop.
-                let at = l * tap_len;
+                // Gather this layer's taps on the device; without
+                // probabilities they come down together after the last
+                // layer, so the host never waits on the device in the loop.
+                let at = if opts.probs { 0 } else { l * tap_len };
                 for (buf, off, len) in [
                     (&q, 0, q_len),
                     (&k, q_len, kv_len),
@@ -430,7 +439,20 @@ impl Llama {
                 ] {
                     be.copy_within(buf, 0, &mut tap_buf, at + off, len)?;
                 }
-                pending_probs.push(probs.take());
+                if let Some(p) = &probs {
+                    let (qh, kh, vh, oh) = split(&be.download(&tap_buf)?);
+                    taps(LayerTaps {
+                        layer: l,
+                        pos0,
+                        q: &qh,
+                        k: &kh,
+                        v: &vh,
+                        o: &oh,
+                        probs: Some(&be.download(p)?),
+                    });
+                } else {
+                    held += 1;
+                }
                 o
             };
             let o_rows = be.transpose_heads(&o, c, nh, hd, false)?;
@@ -444,17 +466,12 @@ impl Llama {
             let down = be.matmul(&gate, &w.w_down, c, cfg.ffn_dim, dm)?;
             be.add_assign(&mut x, &down)?;
         }
-        if !pending_probs.is_empty() {
+        if held > 0 {
             let host = be.download(&tap_buf)?;
-            for (l, probs) in pending_probs.iter().enumerate() {
-                let t = &host[l * tap_len..(l + 1) * tap_len];
+            for (l, t) in host.chunks_exact(tap_len).enumerate() {
                 let (q, rest) = t.split_at(q_len);
                 let (k, rest) = rest.split_at(kv_len);
                 let (v, o) = rest.split_at(kv_len);
-                let probs = match probs {
-                    Some(p) => Some(be.download(p)?),
-                    None => None,
-                };
                 taps(LayerTaps {
                     layer: l,
                     pos0,
@@ -462,7 +479,7 @@ impl Llama {
                     k,
                     v,
                     o,
-                    probs: probs.as_deref(),
+                    probs: None,
                 });
             }
         }
