@@ -43,11 +43,11 @@ pub fn differences(m: &Manifest, req: &Request) -> Vec<String> {
             req.dtype.name()
         ));
     }
-    if m.capture.device != req.device {
-        v.push(format!(
-            "--device {} (not {})",
-            m.capture.device, req.device
-        ));
+    // The manifest records the backend's line ("cuda: NVIDIA H100 ... ");
+    // the kind of device is what must match.
+    let was = m.capture.device.split(':').next().unwrap_or("").trim();
+    if was != req.device {
+        v.push(format!("--device {was} (not {})", req.device));
     }
     v
 }

@@ -49,6 +49,15 @@ fn a_finished_trace_is_kept_only_for_the_request_that_made_it() {
         },
     );
     assert_eq!(d, ["--device cpu (not cuda)"]);
+    // A CUDA capture records the GPU's line; the kind is what is compared.
+    let mut on_gpu = t.manifest.clone();
+    on_gpu.capture.device = "cuda: NVIDIA H100 80GB HBM3 (sm_90), cuBLAS".into();
+    let cuda = Request {
+        device: "cuda",
+        ..same
+    };
+    assert!(differences(&on_gpu, &cuda).is_empty());
+    assert_eq!(differences(&on_gpu, &same), ["--device cuda (not cpu)"]);
     let other: Vec<u32> = ids.iter().rev().copied().collect();
     let d = differences(
         &t.manifest,
