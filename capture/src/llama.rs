@@ -376,13 +376,24 @@ impl Llama {
             (Some(_), _) => 0,
         };
         let mut tap_buf = be.zeros(layers_held * tap_len)?;
-        let split = |t: &[f32]| {
+        // One layer's taps from its packed q, k, v, o on the host.
+        let emit = |taps: &mut dyn FnMut(LayerTaps<'_>),
+                    layer: usize,
+                    t: &[f32],
+                    probs: Option<&[f32]>| {
             let (q, rest) = t.split_at(q_len);
             let (k, rest) = rest.split_at(kv_len);
             let (v, o) = rest.split_at(kv_len);
-            (q.to_vec(), k.to_vec(), v.to_vec(), o.to_vec())
+            taps(LayerTaps {
+                layer,
+                pos0,
+                q,
+                k,
+                v,
+                o,
+                probs,
+            });
         };
-        let mut held = 0;
         // x: (c, d_model) residual stream
         let mut x = be.embed(&self.embed, dm, tokens)?;
         for (l, w) in self.layers.iter().enumerate() {
@@ -440,18 +451,7 @@ impl Llama {
                     be.copy_within(buf, 0, &mut tap_buf, at + off, len)?;
                 }
                 if let Some(p) = &probs {
-                    let (qh, kh, vh, oh) = split(&be.download(&tap_buf)?);
-                    taps(LayerTaps {
-                        layer: l,
-                        pos0,
-                        q: &qh,
-                        k: &kh,
-                        v: &vh,
-                        o: &oh,
-                        probs: Some(&be.download(p)?),
-                    });
-                } else {
-                    held += 1;
+                    emit(taps, l, &be.download(&tap_buf)?, Some(&be.download(p)?));
                 }
                 o
             };
@@ -466,21 +466,10 @@ impl Llama {
             let down = be.matmul(&gate, &w.w_down, c, cfg.ffn_dim, dm)?;
             be.add_assign(&mut x, &down)?;
         }
-        if held > 0 {
+        if layers_held == cfg.n_layers {
             let host = be.download(&tap_buf)?;
             for (l, t) in host.chunks_exact(tap_len).enumerate() {
-                let (q, rest) = t.split_at(q_len);
-                let (k, rest) = rest.split_at(kv_len);
-                let (v, o) = rest.split_at(kv_len);
-                taps(LayerTaps {
-                    layer: l,
-                    pos0,
-                    q,
-                    k,
-                    v,
-                    o,
-                    probs: None,
-                });
+                emit(taps, l, t, None);
             }
         }
         let mut last = be.zeros(dm)?;

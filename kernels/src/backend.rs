@@ -153,16 +153,6 @@ impl Backend {
         check(row > 0 && x.len().is_multiple_of(row), "rope", || {
             format!("x {} is not (rows, {n_heads}, {head_dim})", x.len())
         })?;
-        check(
-            p.rotated_dims <= head_dim && p.rotated_dims.is_multiple_of(2),
-            "rope",
-            || {
-                format!(
-                    "rotated_dims {} is odd or above head_dim {head_dim}",
-                    p.rotated_dims
-                )
-            },
-        )?;
         let table = self.rope_table(x.len() / row, pos0, p, sign)?;
         let mut b = self.upload(x)?;
         self.rotate(&mut b, n_heads, head_dim, p, &table)?;

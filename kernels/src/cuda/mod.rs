@@ -32,7 +32,8 @@ pub struct Cuda {
     /// cuBLAS handles are not safe to drive from two threads at once; this
     /// lock covers the handle only (kernels and copies are not serialised).
     blas: Option<Mutex<CudaBlas>>,
-    funcs: HashMap<&'static str, CudaFunction>,
+    /// Every kernel by name, with its index in `names`.
+    funcs: HashMap<&'static str, (usize, CudaFunction)>,
     name: String,
     /// The kernel launched last (an index into `funcs`' names), named in the
     /// error of a later failing copy: kernel faults surface asynchronously.
@@ -120,7 +121,8 @@ impl Cuda {
                 .load_module(Ptx::from_binary(cubin))
                 .map_err(cu("load module"))?;
             for k in *kernels {
-                funcs.insert(*k, module.load_function(k).map_err(cu("load function"))?);
+                let f = module.load_function(k).map_err(cu("load function"))?;
+                funcs.insert(*k, (names.len(), f));
                 names.push(*k);
             }
         }
@@ -156,10 +158,9 @@ impl Cuda {
     }
 
     fn f(&self, name: &'static str) -> &CudaFunction {
-        if let Some(i) = self.names.iter().position(|n| *n == name) {
-            self.last.store(i, Ordering::Relaxed);
-        }
-        &self.funcs[name]
+        let (i, f) = &self.funcs[name];
+        self.last.store(*i, Ordering::Relaxed);
+        f
     }
 
     /// An error from a synchronising call: kernel faults are reported by the
@@ -264,10 +265,7 @@ impl Cuda {
     ) -> Result<Buf, KernelError> {
         let wd = self.resident(w)?;
         let xd = dev(x)?;
-        if m * n == 0 {
-            return self.zeros_buf(m * n);
-        }
-        if k == 0 {
+        if m * n == 0 || k == 0 {
             return self.zeros_buf(m * n);
         }
         let mut od = self.raw::<f32>(m * n)?;
