@@ -253,7 +253,8 @@ fn write_seed_corpus() {
             total_len: 24,
             prompt_len: 20,
             dtype: kvreplay_traces::Dtype::F32,
-            attn_probs: false
+            attn_probs: false,
+            query_start: 0,
         }
     );
     layer.extend(std::fs::read(golden.join("layer-000.safetensors")).unwrap());

@@ -114,6 +114,7 @@ fn write_trace(dir: &Path, name: &str, s: &Shape) -> PathBuf {
         prompt_len: P,
         dtype: Dtype::F32,
         attn_probs: false,
+        query_start: 0,
     };
     let out = dir.join(name);
     let mut w = TraceWriter::create(&out, layout, false).unwrap();

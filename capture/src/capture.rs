@@ -38,6 +38,9 @@ pub struct CaptureOptions {
     /// Allow positions past the model's context length (RoPE extrapolates;
     /// attention patterns there are untrained). For timing benchmarks only.
     pub beyond_context: bool,
+    /// A lean trace: q and o stored only for the last N prompt positions
+    /// (and every decode step); None stores every position.
+    pub keep_queries: Option<usize>,
 }
 
 impl CaptureOptions {
@@ -55,6 +58,7 @@ impl CaptureOptions {
             force: false,
             spans: Vec::new(),
             beyond_context: false,
+            keep_queries: None,
         }
     }
 }
@@ -152,6 +156,7 @@ pub fn capture(
         prompt_len: p,
         dtype: opts.dtype,
         attn_probs: opts.attn_probs,
+        query_start: opts.keep_queries.map_or(0, |n| p - n.min(p)),
     };
     let mut writer = TraceWriter::create(&opts.out, layout, opts.force)?;
     let mut cache = KvCache::new(cfg, t);
@@ -291,6 +296,7 @@ pub fn capture(
             prompt_source: opts.prompt_source.clone(),
             kvreplay_version: env!("CARGO_PKG_VERSION").into(),
             created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
+            keep_queries: opts.keep_queries,
         },
         files: Vec::new(),
     };

@@ -14,6 +14,8 @@ pub struct Request<'a> {
     /// suite come from one device (CUDA's differ from the CPU's in the last
     /// bits, see BENCHMARKS.md, GPU).
     pub device: &'a str,
+    /// `Some(N)`: a lean trace keeping the last N prompt queries.
+    pub keep_queries: Option<usize>,
 }
 
 /// How the trace described by `m` differs from what `req` would capture
@@ -41,6 +43,17 @@ pub fn differences(m: &Manifest, req: &Request) -> Vec<String> {
             "--dtype {} (not {})",
             m.capture.dtype.name(),
             req.dtype.name()
+        ));
+    }
+    if m.capture.keep_queries != req.keep_queries {
+        let keep = |k: Option<usize>| match k {
+            None => "--keep full".to_string(),
+            Some(n) => format!("--keep lean --keep-queries {n}"),
+        };
+        v.push(format!(
+            "{} (not {})",
+            keep(m.capture.keep_queries),
+            keep(req.keep_queries)
         ));
     }
     // The manifest records the backend's line ("cuda: NVIDIA H100 ... ");

@@ -29,6 +29,7 @@ fn a_finished_trace_is_kept_only_for_the_request_that_made_it() {
         n_decode: 3,
         dtype: Dtype::F16,
         device: "cpu",
+        keep_queries: None,
     };
     assert!(differences(&t.manifest, &same).is_empty());
     let d = differences(
@@ -49,6 +50,15 @@ fn a_finished_trace_is_kept_only_for_the_request_that_made_it() {
         },
     );
     assert_eq!(d, ["--device cpu (not cuda)"]);
+    // A full trace does not stand for a lean one (nor the reverse).
+    let d = differences(
+        &t.manifest,
+        &Request {
+            keep_queries: Some(64),
+            ..same
+        },
+    );
+    assert_eq!(d, ["--keep full (not --keep lean --keep-queries 64)"]);
     // A CUDA capture records the GPU's line; the kind is what is compared.
     let mut on_gpu = t.manifest.clone();
     on_gpu.capture.device = "cuda: NVIDIA H100 80GB HBM3 (sm_90), cuBLAS".into();

@@ -380,3 +380,57 @@ fn a_pass_key_at_depth_one_keeps_its_needle() {
         "the needle comes before the question"
     );
 }
+
+/// `--keep lean`: the same forward pass, with q and o stored for the last N
+/// prompt positions and the decode steps only; every stored value equals the
+/// full capture's, and the lean trace verifies.
+#[test]
+fn lean_capture_stores_the_same_values_for_the_kept_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = load(tmp.path());
+    let (full, lean) = (tmp.path().join("f.kvtrace"), tmp.path().join("l.kvtrace"));
+    capture(&m, &opts(&full), &mut |_| {}).unwrap();
+    let mut o = opts(&lean);
+    o.keep_queries = Some(3);
+    capture(&m, &o, &mut |_| {}).unwrap();
+    let (f, l) = (Trace::open(&full).unwrap(), Trace::open(&lean).unwrap());
+    let (p, t) = (f.manifest.prompt_len(), f.manifest.total_len());
+    assert_eq!(l.manifest.capture.keep_queries, Some(3));
+    assert_eq!(
+        (l.manifest.query_start(), l.manifest.format_version),
+        (p - 3, 2)
+    );
+    assert_eq!(l.manifest.tokens, f.manifest.tokens);
+    for layer in 0..f.n_layers() {
+        let (a, b) = (f.layer(layer), l.layer(layer));
+        for g in 0..f.manifest.model.n_kv_heads {
+            assert_eq!(a.k(g).bytes(), b.k(g).bytes());
+            assert_eq!(a.v(g).bytes(), b.v(g).bytes());
+        }
+        for h in 0..f.manifest.model.n_heads {
+            assert_eq!(a.attn_colsum(h), b.attn_colsum(h));
+            assert_eq!(b.q(h).positions(), p - 3..t);
+            let n = (t - (p - 3)) * f.manifest.model.head_dim;
+            let tail = |x: &[f32]| x[x.len() - n..].to_vec();
+            assert_eq!(
+                b.q(h).to_f32(),
+                tail(&a.q(h).to_f32()),
+                "layer {layer} q{h}"
+            );
+            assert_eq!(
+                b.o(h).to_f32(),
+                tail(&a.o(h).to_f32()),
+                "layer {layer} o{h}"
+            );
+        }
+    }
+    assert!(f_sizes(&lean) < f_sizes(&full));
+    verify(&lean, &VerifyOptions::default()).unwrap();
+}
+
+fn f_sizes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum()
+}

@@ -60,6 +60,7 @@ pub fn layout_of(cfg: [u8; 4]) -> TraceLayout {
         prompt_len: 1 + cfg[3] as usize % total_len,
         dtype: [Dtype::F16, Dtype::Bf16, Dtype::F32, Dtype::F32][((cfg[0] >> 4) & 3) as usize],
         attn_probs: cfg[0] & 0x80 != 0,
+        query_start: 0,
     }
 }
 

@@ -179,6 +179,7 @@ pub fn load_layer_shared(trace: &Trace, l: usize, all_colsum: &Arc<Vec<Vec<f32>>
         scale: m.model.attn_scale as f32,
         prompt_len: m.prompt_len(),
         total_len: m.total_len(),
+        q_start: m.query_start(),
         q: cat(m.model.n_heads, |h| view.q(h)),
         k: cat(m.model.n_kv_heads, |h| view.k(h)),
         v: cat(m.model.n_kv_heads, |h| view.v(h)),
@@ -188,6 +189,27 @@ pub fn load_layer_shared(trace: &Trace, l: usize, all_colsum: &Arc<Vec<Vec<f32>>
         memo: None,
         backend: Backend::Cpu,
     }
+}
+
+/// Refuse, before any work, a policy that reads more prompt queries than a
+/// lean trace holds: the error names the policy, what it needs and the
+/// capture flags that provide it.
+pub fn check_reads(trace: &Trace, policy: &dyn Policy, budget: Budget) -> Result<(), ReplayError> {
+    let m = &trace.manifest;
+    let p = m.prompt_len();
+    let b = budget.resolve(p)?;
+    let (need, have) = (policy.prompt_queries(p, b).min(p), p - m.query_start());
+    if need > have {
+        let spec = policy.name();
+        return Err(ReplayError::TraceLacks {
+            path: trace.dir().display().to_string(),
+            msg: format!(
+                "is a lean trace holding the queries of the last {have} prompt positions, but policy `{spec}` at {budget} reads the last {need}{}; recapture with `kvreplay capture --keep lean --keep-queries {need}` (or `--keep full`), or choose a policy that reads fewer (`kvreplay inspect` lists what this trace can replay)",
+                if need == p { " (every prompt query)" } else { "" }
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Attention of query `q` over `cache`: the output (d,), the unnormalised
@@ -475,6 +497,7 @@ impl<'t> TraceReplay<'t> {
     /// not depend on the thread count).
     pub fn replay(&self, policy: &dyn Policy, budget: Budget) -> Result<ReplayResult, ReplayError> {
         let m = &self.trace.manifest;
+        check_reads(self.trace, policy, budget)?;
         let b = budget.resolve(m.prompt_len())?;
         let groups = policy.layer_groups(self.trace.n_layers(), b, m.prompt_len());
         let results = groups

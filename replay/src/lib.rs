@@ -24,7 +24,8 @@ pub mod spec;
 
 pub use cache::HeadCache;
 pub use engine::{
-    replay, replay_layer, replay_on, Budget, HeadMetrics, ReplayResult, Retained, TraceReplay,
+    check_reads, replay, replay_layer, replay_on, Budget, HeadMetrics, ReplayResult, Retained,
+    TraceReplay,
 };
 pub use error::ReplayError;
 pub use policies::{PolicyInfo, REGISTRY};

@@ -24,7 +24,10 @@ pub struct LayerData {
     pub scale: f32,
     pub prompt_len: usize,
     pub total_len: usize,
-    /// (n_heads, T, d)
+    /// First position whose query is held: 0, or where a lean trace's
+    /// stored queries start (see [`Policy::prompt_queries`]).
+    pub q_start: usize,
+    /// (n_heads, T − q_start, d): the queries of positions q_start..T
     pub q: Vec<f32>,
     /// (n_kv_heads, T, d)
     pub k: Vec<f32>,
@@ -52,8 +55,18 @@ impl LayerData {
         self.n_heads / self.n_kv_heads
     }
     pub fn q_row(&self, h: usize, t: usize) -> &[f32] {
-        let (tt, d) = (self.total_len, self.d);
-        &self.q[(h * tt + t) * d..(h * tt + t + 1) * d]
+        let r = self.q_index(h, t);
+        &self.q[r * self.d..(r + 1) * self.d]
+    }
+    /// Row of the query of head `h` at position `t` in `q`.
+    fn q_index(&self, h: usize, t: usize) -> usize {
+        assert!(
+            t >= self.q_start,
+            "the query of position {t} is not in this lean trace (it keeps queries from position {}); \
+             a policy that reads it must say so in Policy::prompt_queries",
+            self.q_start
+        );
+        h * (self.total_len - self.q_start) + t - self.q_start
     }
     pub fn k_row(&self, g: usize, t: usize) -> &[f32] {
         let (tt, d) = (self.total_len, self.d);
@@ -181,9 +194,13 @@ impl<'a> PrefillCtx<'a> {
         );
         let (g, d, t) = (h / self.data.group(), self.data.d, self.data.total_len);
         let mut out = vec![0f32; rows.len() * p];
+        if rows.is_empty() {
+            return out;
+        }
         let lens: Vec<usize> = rows.clone().map(|j| j + 1).collect();
         let gains: Vec<f32> = rows.clone().map(gain).collect();
-        let q = &self.data.q[(h * t + rows.start) * d..(h * t + rows.end) * d];
+        let r0 = self.data.q_index(h, rows.start);
+        let q = &self.data.q[r0 * d..(r0 + rows.len()) * d];
         let keys = &self.data.k[g * t * d..(g * t + p) * d];
         // Shapes hold by construction; only a failing device can fail here.
         self.data
@@ -284,6 +301,17 @@ pub trait Policy: Send + Sync {
         &self,
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError>;
+
+    /// How many of the last prompt positions' queries `prefill` reads (through
+    /// `attn_rows` or `query`) for a budget of `budget` entries on a
+    /// `prompt_len`-token prompt: 0 when it scores from keys, values and
+    /// column sums only, `prompt_len` when it needs every row. A lean trace
+    /// (`capture --keep lean`) holds the last N; the engine refuses, before
+    /// any work, a policy that needs more. Default: every row (a policy that
+    /// reads fewer says so).
+    fn prompt_queries(&self, prompt_len: usize, _budget: usize) -> usize {
+        prompt_len
+    }
 
     /// Layers replayed together, for a budget of `budget` entries on a
     /// `prompt_len`-token prompt. Default: every layer on its own; cross-layer

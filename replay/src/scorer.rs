@@ -31,6 +31,12 @@ pub trait Scorer: Send + Sync {
     /// positions' scores start its decode scores).
     fn score(&self, ctx: &PrefillCtx, unit: &Unit) -> Vec<f32>;
 
+    /// How many of the last prompt positions' queries `score` reads (see
+    /// [`Policy::prompt_queries`]); default: every row.
+    fn prompt_queries(&self, prompt_len: usize, _budget: usize) -> usize {
+        prompt_len
+    }
+
     /// Positions kept inside budget `b` whatever their score.
     fn protect(&self, _b: usize) -> Result<Protect, ReplayError> {
         Ok(Protect::default())
@@ -151,6 +157,9 @@ pub struct KeyScorer {
 }
 
 impl Scorer for KeyScorer {
+    fn prompt_queries(&self, _: usize, _: usize) -> usize {
+        0
+    }
     fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
         (0..ctx.prompt_len())
             .map(|i| (self.score)(ctx.key(u.kv_head, i)))
@@ -257,6 +266,18 @@ impl TopK {
 impl Policy for TopK {
     fn name(&self) -> String {
         self.name.to_string()
+    }
+
+    fn prompt_queries(&self, prompt_len: usize, budget: usize) -> usize {
+        // AdaKV scores in the scorer's cross-head form
+        let across = match self.allocation {
+            Allocation::Ada { .. } => self.scorer.across_heads(),
+            _ => None,
+        };
+        across
+            .iter()
+            .map(|s| s.prompt_queries(prompt_len, budget))
+            .fold(self.scorer.prompt_queries(prompt_len, budget), usize::max)
     }
 
     fn prefill(

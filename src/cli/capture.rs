@@ -49,11 +49,27 @@ pub(super) struct CaptureArgs {
     /// Named prompt token span NAME:START:END (end exclusive), recorded in the manifest. Repeatable.
     #[arg(long = "span", value_parser = parse_span)]
     spans: Vec<Span>,
+    /// What to store: `full` (q, k, v, o at every position) or `lean` (k and v
+    /// everywhere; q and o only for the last --keep-queries prompt positions
+    /// and the decode steps: about 4x smaller; policies that read earlier
+    /// prompt queries refuse a lean trace and say so).
+    #[arg(long, value_enum, default_value = "full")]
+    keep: Keep,
+    /// With --keep lean: the last N prompt positions whose q and o are kept
+    /// (128 covers every built-in policy's default observation window).
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..))]
+    keep_queries: u64,
     /// Overwrite an existing trace at --out.
     #[arg(long)]
     force: bool,
     #[arg(long, help = super::common::CAPTURE_DEVICE_HELP, default_value = "auto")]
     device: kvreplay_kernels::DeviceRequest,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Keep {
+    Full,
+    Lean,
 }
 
 fn parse_span(s: &str) -> Result<Span, String> {
@@ -78,6 +94,11 @@ impl CaptureArgs {
         opts.dtype = self.dtype;
         opts.prefill_chunk = self.prefill_chunk;
         opts.force = self.force;
+        opts.keep_queries = self.keep_queries();
+    }
+
+    fn keep_queries(&self) -> Option<usize> {
+        (self.keep == Keep::Lean).then_some(self.keep_queries as usize)
     }
 }
 
@@ -210,6 +231,7 @@ fn capture_suite(a: &CaptureArgs, suite: &str, model_path: &Path) -> Result<()> 
                     n_decode: a.decode,
                     dtype: a.dtype,
                     device: model.llama.backend.device().name(),
+                    keep_queries: a.keep_queries(),
                 },
             );
             if !differs.is_empty() {

@@ -7,8 +7,10 @@ use crate::TraceError;
 
 /// Value of the manifest's `format` field.
 pub const FORMAT_NAME: &str = "kvreplay-trace";
-/// The newest format version this build reads and the one it writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// The newest format version this build reads. A trace is written with the
+/// lowest version that describes it (see [`Manifest::needed_version`]), so a
+/// full trace stays readable by releases that know only version 1.
+pub const FORMAT_VERSION: u32 = 2;
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct Manifest {
@@ -118,6 +120,11 @@ pub struct CaptureInfo {
     pub threads: usize,
     /// Whether `attn_probs` (n_heads, T, T) is stored.
     pub attn_probs: bool,
+    /// A lean trace (`capture --keep lean`, format version 2): `q` and `o`
+    /// are stored only for the last `keep_queries` prompt positions and every
+    /// decode step; absent in a full trace (every position stored).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_queries: Option<usize>,
     pub chat_template: bool,
     /// Where the prompt came from (`text`, `file:NAME`, a task name, ...).
     pub prompt_source: String,
@@ -193,6 +200,25 @@ impl Manifest {
     }
     pub fn prompt_len(&self) -> usize {
         self.tokens.prompt_len
+    }
+
+    /// First position whose `q` and `o` are stored (0 in a full trace).
+    pub fn query_start(&self) -> usize {
+        match self.capture.keep_queries {
+            Some(n) => self.prompt_len() - n.min(self.prompt_len()),
+            None => 0,
+        }
+    }
+
+    /// Whether q and o are missing for some prompt positions.
+    pub fn is_lean(&self) -> bool {
+        self.query_start() > 0
+    }
+
+    /// The lowest format version that describes this trace: 2 for a lean
+    /// trace, else 1.
+    pub fn needed_version(&self) -> u32 {
+        self.layout().format_version()
     }
 
     /// Read and check `dir/manifest.json`: format name and version first (so
@@ -358,6 +384,14 @@ impl Manifest {
                 "files: {} entries for {} layers",
                 self.files.len(),
                 m.n_layers
+            ));
+        }
+        if (self.format_version as u64) < self.needed_version() as u64 {
+            return Err(format!(
+                "format_version {} cannot describe this trace: capture.keep_queries ({:?}) needs version {}",
+                self.format_version,
+                self.capture.keep_queries,
+                self.needed_version()
             ));
         }
         for (l, f) in self.files.iter().enumerate() {

@@ -38,6 +38,21 @@ struct LayerFile {
     tensors: TensorIndex,
 }
 
+impl LayerFile {
+    fn release(&self) {
+        #[cfg(unix)]
+        // SAFETY: the map is a read-only shared mapping of a file that is never
+        // modified in place (see `open_with`), so MADV_DONTNEED only drops
+        // resident pages: the next read faults the same bytes back in from the
+        // page cache or the file. Failure only leaves the pages resident.
+        unsafe {
+            let _ = self
+                .mmap
+                .unchecked_advise(memmap2::UncheckedAdvice::DontNeed);
+        }
+    }
+}
+
 impl Trace {
     /// Open a trace with verified reads: parse the manifest, map every layer
     /// file, check that sizes, headers and shapes agree with it, that each
@@ -98,7 +113,13 @@ impl Trace {
             let checked: Vec<Result<(), TraceError>> = layers
                 .par_iter()
                 .zip(&manifest.files)
-                .map(|(layer, entry)| verify_layer(layer, entry))
+                .map(|(layer, entry)| {
+                    let r = verify_layer(layer, entry);
+                    // reading every byte made the file resident: let it go, so
+                    // opening a trace larger than memory does not hold it all
+                    layer.release();
+                    r
+                })
                 .collect();
             checked.into_iter().collect::<Result<(), TraceError>>()?;
         }
@@ -130,6 +151,14 @@ impl Trace {
         self.layers.len()
     }
 
+    /// Drop layer `l`'s pages from this process's resident memory once it has
+    /// been read (they stay in the OS page cache and fault back in on the next
+    /// access): what lets a replay stream a trace larger than memory with a
+    /// bounded resident set.
+    pub fn release_layer(&self, l: usize) {
+        self.layers[l].release();
+    }
+
     pub fn layer(&self, l: usize) -> LayerView<'_> {
         LayerView {
             file: &self.layers[l],
@@ -150,6 +179,7 @@ impl Manifest {
             prompt_len: self.prompt_len(),
             dtype: self.capture.dtype,
             attn_probs: self.capture.attn_probs,
+            query_start: self.query_start(),
         }
     }
 }
@@ -302,7 +332,7 @@ impl<'a> LayerView<'a> {
         (*dtype, shape, &self.file.mmap[range.clone()])
     }
 
-    fn head_of(&self, name: &str, head: usize) -> HeadView<'a> {
+    fn head_of(&self, name: &str, head: usize, first: usize) -> HeadView<'a> {
         let (dtype, shape, bytes) = self.tensor(name);
         let (rows, cols) = (shape[1], shape[2]);
         assert!(head < shape[0], "{name}: head {head} >= {}", shape[0]);
@@ -311,25 +341,31 @@ impl<'a> LayerView<'a> {
             dtype,
             rows,
             cols,
+            first,
             bytes: &bytes[head * n..(head + 1) * n],
         }
     }
 
-    /// Query head `head`: (T, head_dim).
+    /// First position whose q and o are stored (0 unless the trace is lean).
+    pub fn query_start(&self) -> usize {
+        self.layout.query_start
+    }
+
+    /// Query head `head`: (T − query_start, head_dim), positions query_start..T.
     pub fn q(&self, head: usize) -> HeadView<'a> {
-        self.head_of("q", head)
+        self.head_of("q", head, self.layout.query_start)
     }
     /// Key head `kv_head`: (T, head_dim).
     pub fn k(&self, kv_head: usize) -> HeadView<'a> {
-        self.head_of("k", kv_head)
+        self.head_of("k", kv_head, 0)
     }
     /// Value head `kv_head`: (T, head_dim).
     pub fn v(&self, kv_head: usize) -> HeadView<'a> {
-        self.head_of("v", kv_head)
+        self.head_of("v", kv_head, 0)
     }
-    /// Attention output of query head `head`: (T, head_dim).
+    /// Attention output of query head `head`: (T − query_start, head_dim).
     pub fn o(&self, head: usize) -> HeadView<'a> {
-        self.head_of("o", head)
+        self.head_of("o", head, self.layout.query_start)
     }
 
     /// `attn_colsum[head, :]`: (prompt_len,), the attention each prompt key
@@ -344,16 +380,19 @@ impl<'a> LayerView<'a> {
     pub fn attn_probs(&self, head: usize) -> Option<HeadView<'a>> {
         self.layout
             .attn_probs
-            .then(|| self.head_of("attn_probs", head))
+            .then(|| self.head_of("attn_probs", head, 0))
     }
 }
 
-/// A (rows, cols) matrix of one head, in the trace's storage dtype.
+/// A (rows, cols) matrix of one head, in the trace's storage dtype: the
+/// rows of positions `first..first + rows`.
 #[derive(Clone, Copy)]
 pub struct HeadView<'a> {
     pub dtype: Dtype,
     pub rows: usize,
     pub cols: usize,
+    /// Position of the first stored row (q and o of a lean trace start late).
+    pub first: usize,
     bytes: &'a [u8],
 }
 
@@ -363,13 +402,25 @@ impl<'a> HeadView<'a> {
         self.bytes
     }
 
-    /// Row `r` converted to f32 into `out` (cols).
+    /// Positions whose rows are stored.
+    pub fn positions(&self) -> std::ops::Range<usize> {
+        self.first..self.first + self.rows
+    }
+
+    /// The row of position `r` converted to f32 into `out` (cols).
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
         self.rows_into(r, r + 1, out)
     }
 
-    /// Rows `a..b` converted to f32 into `out` ((b - a) * cols).
+    /// The rows of positions `a..b` converted to f32 into `out` ((b - a) * cols).
     pub fn rows_into(&self, a: usize, b: usize, out: &mut [f32]) {
+        assert!(
+            a >= self.first,
+            "position {a} is not stored: this lean trace keeps positions {}..{} only",
+            self.first,
+            self.first + self.rows
+        );
+        let (a, b) = (a - self.first, b - self.first);
         assert!(a <= b && b <= self.rows);
         let (s, e) = (a * self.cols, b * self.cols);
         assert_eq!(out.len(), e - s);
@@ -378,10 +429,10 @@ impl<'a> HeadView<'a> {
         convert_to_f32(self.dtype, raw, out);
     }
 
-    /// All rows as f32: (rows * cols).
+    /// All stored rows as f32: (rows * cols).
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.rows * self.cols];
-        self.rows_into(0, self.rows, &mut out);
+        self.rows_into(self.first, self.first + self.rows, &mut out);
         out
     }
 }

@@ -54,7 +54,16 @@ pub fn verify(dir: &Path, opts: &VerifyOptions) -> Result<VerifyReport, TraceErr
     let tol = opts
         .tolerance
         .unwrap_or_else(|| default_tolerance(m.capture.dtype));
-    let positions = sample_positions(m.total_len(), m.prompt_len(), opts.positions_per_layer);
+    // a lean trace stores q and o from query_start on: its positions are sampled there
+    let qs = m.query_start();
+    let positions: Vec<usize> = sample_positions(
+        m.total_len() - qs,
+        m.prompt_len() - qs,
+        opts.positions_per_layer,
+    )
+    .into_iter()
+    .map(|t| t + qs)
+    .collect();
     let d = m.model.head_dim;
     let scale = m.model.attn_scale;
     let mut max_rel_err = 0.0f64;

@@ -33,6 +33,27 @@ pub struct TraceLayout {
     pub dtype: Dtype,
     /// Also store full attention probabilities `attn_probs` (n_heads, T, T), f32.
     pub attn_probs: bool,
+    /// First position whose `q` and `o` are stored: 0 in a full trace; in a
+    /// lean one (`--keep lean`) P − N for the last N prompt positions, so
+    /// `q` and `o` are (n_heads, T − query_start, head_dim). `k` and `v`
+    /// always hold every position.
+    pub query_start: usize,
+}
+
+impl TraceLayout {
+    /// Format version a trace of this layout needs: 1 when every position's
+    /// q and o are stored (readable by every release), 2 for a lean trace.
+    pub fn format_version(&self) -> u32 {
+        if self.query_start > 0 {
+            2
+        } else {
+            1
+        }
+    }
+    /// Positions whose `q` and `o` are stored.
+    pub fn query_rows(&self) -> std::ops::Range<usize> {
+        self.query_start..self.total_len
+    }
 }
 
 /// The per-position tensors of a layer file.
@@ -70,17 +91,18 @@ pub(crate) fn layer_tensors(layout: &TraceLayout) -> Vec<(&'static str, Dtype, V
         layout.head_dim,
         layout.prompt_len,
     );
+    let tq = t - layout.query_start;
     let mut v = vec![("attn_colsum", Dtype::F32, vec![h, p])];
     if layout.attn_probs {
         v.push(("attn_probs", Dtype::F32, vec![h, t, t]));
     }
-    for (kind, heads) in [
-        (TensorKind::Q, h),
-        (TensorKind::K, kv),
-        (TensorKind::V, kv),
-        (TensorKind::O, h),
+    for (kind, heads, rows) in [
+        (TensorKind::Q, h, tq),
+        (TensorKind::K, kv, t),
+        (TensorKind::V, kv, t),
+        (TensorKind::O, h, tq),
     ] {
-        v.push((kind.name(), layout.dtype, vec![heads, t, d]));
+        v.push((kind.name(), layout.dtype, vec![heads, rows, d]));
     }
     v
 }
@@ -97,7 +119,7 @@ fn layer_header(
     meta.insert("format".into(), Value::from(crate::FORMAT_NAME));
     meta.insert(
         "format_version".into(),
-        Value::from(crate::FORMAT_VERSION.to_string()),
+        Value::from(layout.format_version().to_string()),
     );
     meta.insert("layer".into(), Value::from(layer.to_string()));
     map.insert("__metadata__".into(), Value::Object(meta));
@@ -229,7 +251,9 @@ impl LayerWriter {
         &mut self.mmap[self.data_start + a..self.data_start + b]
     }
 
-    /// Write `rows` (n, head_dim) of `kind` for `head` at positions `pos..pos+n`.
+    /// Write `rows` (n, head_dim) of `kind` for `head` at positions
+    /// `pos..pos+n`. In a lean layout, q and o rows before `query_start` are
+    /// not stored and are skipped.
     pub fn write_rows(&mut self, kind: TensorKind, head: usize, pos: usize, rows: &[f32]) {
         let TraceLayout {
             head_dim: d,
@@ -237,15 +261,21 @@ impl LayerWriter {
             dtype,
             ..
         } = self.layout;
-        let heads = match kind {
-            TensorKind::Q | TensorKind::O => self.layout.n_heads,
-            TensorKind::K | TensorKind::V => self.layout.n_kv_heads,
+        let (heads, first) = match kind {
+            TensorKind::Q | TensorKind::O => (self.layout.n_heads, self.layout.query_start),
+            TensorKind::K | TensorKind::V => (self.layout.n_kv_heads, 0),
         };
         assert!(head < heads, "{}: head {head} >= {heads}", kind.name());
         assert_eq!(rows.len() % d, 0, "rows must be whole head_dim rows");
         let n = rows.len() / d;
         assert!(pos + n <= t, "positions {pos}..{} exceed T={t}", pos + n);
-        let start = (head * t + pos) * d;
+        // rows before the first stored position are dropped
+        let skip = first.saturating_sub(pos).min(n);
+        let (pos, rows) = (pos + skip, &rows[skip * d..]);
+        if rows.is_empty() {
+            return;
+        }
+        let start = (head * (t - first) + pos - first) * d;
         let bytes = self.bytes_mut(kind.name());
         write_converted(bytes, dtype, start, rows);
     }
@@ -388,6 +418,7 @@ impl TraceWriter {
     /// Flush, checksum, write the manifest (its `files` are filled in here)
     /// and move the finished trace into place.
     pub fn finish(mut self, mut manifest: Manifest) -> Result<PathBuf, TraceError> {
+        manifest.format_version = manifest.needed_version();
         let layers = std::mem::take(&mut self.layers);
         manifest.files = layers
             .into_iter()

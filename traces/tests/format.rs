@@ -16,13 +16,15 @@ fn layout(dtype: Dtype) -> TraceLayout {
         prompt_len: 5,
         dtype,
         attn_probs: false,
+        query_start: 0,
     }
 }
 
 fn manifest(l: &TraceLayout) -> Manifest {
     Manifest {
         format: FORMAT_NAME.into(),
-        format_version: FORMAT_VERSION,
+        // what the writer records for a full trace: the lowest version that describes it
+        format_version: 1,
         model: ModelInfo {
             architecture: "llama".into(),
             name: Some("synthetic".into()),
@@ -73,6 +75,7 @@ fn manifest(l: &TraceLayout) -> Manifest {
             prompt_source: "test".into(),
             kvreplay_version: "test".into(),
             created: "2026-01-01T00:00:00Z".into(),
+            keep_queries: None,
         },
         files: vec![],
     }
@@ -84,7 +87,16 @@ fn val(l: usize, kind: usize, h: usize, t: usize, i: usize) -> f32 {
 
 /// Write a synthetic trace whose `o` is the true causal attention of its q/k/v.
 fn write_trace(dir: &Path, dtype: Dtype) -> PathBuf {
-    let lay = layout(dtype);
+    write_trace_keeping(dir, dtype, None)
+}
+
+/// [`write_trace`], lean when `keep_queries` is set (every row is offered to
+/// the writer, which stores q and o from `P - keep_queries` on).
+fn write_trace_keeping(dir: &Path, dtype: Dtype, keep_queries: Option<usize>) -> PathBuf {
+    let mut lay = layout(dtype);
+    let mut man = manifest(&lay);
+    man.capture.keep_queries = keep_queries;
+    lay.query_start = man.query_start();
     let out = dir.join("s.kvtrace");
     let mut w = TraceWriter::create(&out, lay, false).unwrap();
     let group = lay.n_heads / lay.n_kv_heads;
@@ -124,7 +136,66 @@ fn write_trace(dir: &Path, dtype: Dtype) -> PathBuf {
             lw.write_colsum(h, &vec![h as f32; lay.prompt_len]);
         }
     }
-    w.finish(manifest(&lay)).unwrap()
+    w.finish(man).unwrap()
+}
+
+/// A lean trace keeps k and v for every position and q and o for the last
+/// `keep_queries` prompt positions plus the decode steps: rows addressed by
+/// position read the same values as the full trace's, earlier ones are
+/// refused, `verify` recomputes o where it is stored, and the trace is
+/// written as format version 2 (version 1 readers would misread it).
+#[test]
+fn lean_trace_round_trip() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let full = Trace::open(write_trace(a.path(), Dtype::F32)).unwrap();
+    let out = write_trace_keeping(b.path(), Dtype::F32, Some(2));
+    let lean = Trace::open(&out).unwrap();
+    assert_eq!(lean.manifest.format_version, 2);
+    assert_eq!(full.manifest.format_version, 1);
+    assert_eq!(lean.manifest.query_start(), 3);
+    assert!(lean.manifest.is_lean() && !full.manifest.is_lean());
+    let (lf, ll) = (full.layer(1), lean.layer(1));
+    assert_eq!(
+        (ll.q(3).rows, ll.q(3).first, ll.q(3).positions()),
+        (4, 3, 3..7)
+    );
+    assert_eq!((ll.o(0).rows, ll.k(0).rows, ll.v(1).rows), (4, 7, 7));
+    let (mut x, mut y) = (vec![0f32; D], vec![0f32; D]);
+    for t in 3..7 {
+        lf.q(3).row_into(t, &mut x);
+        ll.q(3).row_into(t, &mut y);
+        assert_eq!(x, y, "q at position {t}");
+        lf.o(2).row_into(t, &mut x);
+        ll.o(2).row_into(t, &mut y);
+        assert_eq!(x, y, "o at position {t}");
+    }
+    assert_eq!(ll.k(1).to_f32(), lf.k(1).to_f32());
+    assert_eq!(ll.q(0).to_f32(), lf.q(0).to_f32()[3 * D..].to_vec());
+    let e = std::panic::catch_unwind(|| ll.q(0).row_into(2, &mut vec![0f32; D]))
+        .unwrap_err()
+        .downcast::<String>()
+        .unwrap();
+    assert!(
+        e.contains("position 2 is not stored") && e.contains("3..7"),
+        "{e}"
+    );
+    // the layer files say version 2 too
+    let bytes = std::fs::read(out.join("layer-000.safetensors")).unwrap();
+    let head = String::from_utf8_lossy(&bytes[8..200]).into_owned();
+    assert!(head.contains("\"format_version\":\"2\""), "{head}");
+    let r = verify(&out, &VerifyOptions::default()).unwrap();
+    assert!(r.max_rel_err < 1e-6, "{}", r.max_rel_err);
+    // a lean manifest labelled version 1 is refused, naming the field
+    let p = out.join("manifest.json");
+    let text = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("\"format_version\": 2", "\"format_version\": 1");
+    std::fs::write(&p, text).unwrap();
+    let e = Trace::open(&out).err().unwrap().to_string();
+    assert!(
+        e.contains("format_version 1") && e.contains("keep_queries") && e.contains("version 2"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -262,12 +333,12 @@ fn verify_refuses_a_newer_format_version() {
     let p = out.join("manifest.json");
     let text = std::fs::read_to_string(&p)
         .unwrap()
-        .replace("\"format_version\": 1", "\"format_version\": 2");
+        .replace("\"format_version\": 1", "\"format_version\": 3");
     std::fs::write(&p, text).unwrap();
     let e = verify_err(&out);
     assert!(
         e.contains("manifest.json")
-            && e.contains("format version 2")
+            && e.contains("format version 3")
             && e.contains("upgrade kvreplay"),
         "{e}"
     );

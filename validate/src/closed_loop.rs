@@ -85,6 +85,7 @@ pub fn prefill(model: &Model, prompt: &[u32], capacity: usize) -> Result<Prefill
             scale: cfg.attn_scale,
             prompt_len: p,
             total_len: p,
+            q_start: 0,
             q: std::mem::take(&mut q[l]),
             k: std::mem::take(&mut k[l]),
             v: std::mem::take(&mut v[l]),

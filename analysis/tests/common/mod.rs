@@ -62,6 +62,7 @@ pub fn synthetic_manifest(
             prompt_source: "test".into(),
             kvreplay_version: "test".into(),
             created: "2026-01-01T00:00:00Z".into(),
+            keep_queries: None,
         },
         files: vec![],
     }
@@ -88,6 +89,7 @@ pub fn write_trace_scaled(
         prompt_len: p,
         dtype: Dtype::F32,
         attn_probs: false,
+        query_start: 0,
     };
     let out = dir.join(name);
     let mut w = TraceWriter::create(&out, layout, false).unwrap();

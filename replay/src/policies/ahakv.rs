@@ -208,6 +208,14 @@ impl AhaKv {
 }
 
 impl Scorer for AhaKv {
+    /// The recent-accumulation rows (every row without it).
+    fn prompt_queries(&self, p: usize, b: usize) -> usize {
+        if self.use_ra {
+            self.recent(b).min(p)
+        } else {
+            p
+        }
+    }
     fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
         self.refined(ctx, u)
     }

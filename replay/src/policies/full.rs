@@ -25,6 +25,10 @@ pub static INFO: PolicyInfo = PolicyInfo {
 pub struct Full;
 
 impl Policy for Full {
+    /// Reads no query.
+    fn prompt_queries(&self, _: usize, _: usize) -> usize {
+        0
+    }
     fn prefill(
         &self,
         ctx: &PrefillCtx,

@@ -43,6 +43,10 @@ pub struct H2o {
 }
 
 impl Scorer for H2o {
+    /// Reads keys, values and column sums only.
+    fn prompt_queries(&self, _: usize, _: usize) -> usize {
+        0
+    }
     fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
         mean_rows(u.heads.clone().map(|h| ctx.colsum(h)))
     }

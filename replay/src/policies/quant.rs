@@ -173,6 +173,10 @@ struct QGroupState {
 }
 
 impl Policy for Quant {
+    /// What the policy it quantises reads.
+    fn prompt_queries(&self, p: usize, b: usize) -> usize {
+        self.base.prompt_queries(p, b)
+    }
     fn prefill(
         &self,
         ctx: &PrefillCtx,

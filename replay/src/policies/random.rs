@@ -34,6 +34,10 @@ pub struct Random {
 }
 
 impl Scorer for Random {
+    /// Reads nothing of the layer.
+    fn prompt_queries(&self, _: usize, _: usize) -> usize {
+        0
+    }
     fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
         let p = ctx.prompt_len();
         let mut rng = SplitMix64::for_head(self.seed, ctx.layer(), u.kv_head);

@@ -136,6 +136,10 @@ fn counts(masks: &[Vec<u128>]) -> Vec<f32> {
 }
 
 impl Scorer for Scissorhands {
+    /// The history window's rows.
+    fn prompt_queries(&self, p: usize, _: usize) -> usize {
+        self.w_h.min(p)
+    }
     fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
         counts(&self.masks(ctx, u))
     }

@@ -90,6 +90,10 @@ impl crate::memo::MemoKey for WindowVotes {
 }
 
 impl Scorer for SnapKv {
+    /// The observation window's rows.
+    fn prompt_queries(&self, p: usize, _: usize) -> usize {
+        self.w.min(p)
+    }
     /// Pooled window votes of positions 0..P−w: per query head the sums over
     /// the window rows, group mean, then pooling.
     fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {

@@ -32,6 +32,10 @@ pub struct StreamingLlm {
 }
 
 impl Scorer for StreamingLlm {
+    /// Reads nothing of the layer.
+    fn prompt_queries(&self, _: usize, _: usize) -> usize {
+        0
+    }
     fn score(&self, ctx: &PrefillCtx, _: &Unit) -> Vec<f32> {
         vec![0.0; ctx.prompt_len()]
     }

@@ -55,6 +55,10 @@ impl crate::memo::MemoKey for LastPromptRows {
 }
 
 impl Scorer for Tova {
+    /// The last prompt query's row.
+    fn prompt_queries(&self, p: usize, _: usize) -> usize {
+        1.min(p)
+    }
     fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
         let p = ctx.prompt_len();
         let last = ctx.memo(LastPromptRows, || {

@@ -53,6 +53,7 @@ pub fn simple_layer(
         scale: 1.0,
         prompt_len,
         total_len: t,
+        q_start: 0,
         q,
         k,
         v,
@@ -102,6 +103,7 @@ pub fn random_layer(seed: u64, nh: usize, nkv: usize, d: usize, p: usize, t: usi
         scale,
         prompt_len: p,
         total_len: t,
+        q_start: 0,
         q,
         k,
         v,
@@ -126,6 +128,7 @@ pub fn write_trace(dir: &Path, layers: &[LayerData]) -> PathBuf {
         prompt_len: l0.prompt_len,
         dtype: Dtype::F32,
         attn_probs: false,
+        query_start: 0,
     };
     let out = dir.join("hand.kvtrace");
     let mut w = TraceWriter::create(&out, layout, true).unwrap();
@@ -216,6 +219,7 @@ pub fn write_trace(dir: &Path, layers: &[LayerData]) -> PathBuf {
             prompt_source: "test".into(),
             kvreplay_version: "test".into(),
             created: "2026-01-01T00:00:00Z".into(),
+            keep_queries: None,
         },
         files: vec![],
     };
@@ -265,6 +269,7 @@ pub fn explicit_layer(
         scale,
         prompt_len,
         total_len: t,
+        q_start: 0,
         q: flat(q),
         k: flat(k),
         v: flat(v),

@@ -61,6 +61,10 @@ pub static INFO: PolicyInfo = PolicyInfo {
 };
 
 impl Policy for D2o {
+    /// Reads keys, values and column sums only.
+    fn prompt_queries(&self, _: usize, _: usize) -> usize {
+        0
+    }
     fn prefill(
         &self,
         ctx: &PrefillCtx,

@@ -63,6 +63,10 @@ pub static INFO: PolicyInfo = PolicyInfo {
 };
 
 impl Policy for Ems {
+    /// The window's rows (s_loc).
+    fn prompt_queries(&self, p: usize, b: usize) -> usize {
+        self.window(b).min(p)
+    }
     fn prefill(
         &self,
         ctx: &PrefillCtx,

@@ -69,6 +69,13 @@ pub static INFO: PolicyInfo = PolicyInfo {
 };
 
 impl Policy for KvMerger {
+    /// Column sums only, except the within-set pivot (every set's own rows).
+    fn prompt_queries(&self, p: usize, _: usize) -> usize {
+        match self.pivot {
+            config::Pivot::WithinSet => p,
+            _ => 0,
+        }
+    }
     fn prefill(
         &self,
         ctx: &PrefillCtx,

@@ -73,6 +73,10 @@ struct PairState {
 }
 
 impl Policy for MiniCache {
+    /// Reads keys and values only.
+    fn prompt_queries(&self, _: usize, _: usize) -> usize {
+        0
+    }
     /// A layer on its own is never merged.
     fn prefill(
         &self,
