@@ -129,6 +129,21 @@ impl Plan {
         if budgets.contains(&0) {
             return Err(SweepError::Plan("budgets must be at least 1".into()));
         }
+        // a lean trace lacking the prompt queries a policy reads is refused
+        // now, before any point runs
+        for t in traces {
+            let m = kvreplay_traces::Manifest::read(t).map_err(ReplayError::from)?;
+            if !m.is_lean() {
+                continue;
+            }
+            for s in &specs {
+                let policy = PolicySpec::parse(s)?.build()?;
+                for &b in budgets {
+                    kvreplay_replay::check_reads_of(&m, t, policy.as_ref(), Budget::Entries(b))
+                        .map_err(|e| SweepError::Plan(format!("policy {s}: {e}")))?;
+                }
+            }
+        }
         let mut b = budgets.to_vec();
         b.sort_unstable();
         b.dedup();
@@ -768,6 +783,10 @@ pub struct RunOptions<'a> {
     pub command: Vec<String>,
     /// A resubmission script, recorded in the shard's record.
     pub resubmit: Option<String>,
+    /// Bytes of layer copies a trace's replay keeps between points (None:
+    /// half the memory available); beyond it layers stream from the trace.
+    /// Results do not depend on it.
+    pub max_memory: Option<u64>,
 }
 
 impl<'a> RunOptions<'a> {
@@ -780,6 +799,7 @@ impl<'a> RunOptions<'a> {
             wait: None,
             command: Vec::new(),
             resubmit: None,
+            max_memory: None,
         }
     }
 }
@@ -864,7 +884,7 @@ pub fn run_opts(
             }
             if replay.get().is_none() {
                 let t = trace.get().expect("opened above");
-                let _ = replay.set(TraceReplay::new(t, backend)?);
+                let _ = replay.set(TraceReplay::new(t, backend)?.with_max_memory(opts.max_memory));
             }
             // a point that cannot be computed is recorded as failed, with
             // its reason, and the sweep goes on

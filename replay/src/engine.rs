@@ -166,7 +166,8 @@ pub fn load_layer_shared(trace: &Trace, l: usize, all_colsum: &Arc<Vec<Vec<f32>>
         let cols = get(0).cols;
         let mut out = vec![0f32; n * rows * cols];
         for (h, o) in out.chunks_exact_mut(rows * cols).enumerate() {
-            get(h).rows_into(0, rows, o);
+            let v = get(h);
+            v.rows_into(v.first, v.first + rows, o);
         }
         out
     }
@@ -195,14 +196,23 @@ pub fn load_layer_shared(trace: &Trace, l: usize, all_colsum: &Arc<Vec<Vec<f32>>
 /// lean trace holds: the error names the policy, what it needs and the
 /// capture flags that provide it.
 pub fn check_reads(trace: &Trace, policy: &dyn Policy, budget: Budget) -> Result<(), ReplayError> {
-    let m = &trace.manifest;
+    check_reads_of(&trace.manifest, trace.dir(), policy, budget)
+}
+
+/// [`check_reads`] from a trace's manifest (`dir` names it in the error).
+pub fn check_reads_of(
+    m: &kvreplay_traces::Manifest,
+    dir: &std::path::Path,
+    policy: &dyn Policy,
+    budget: Budget,
+) -> Result<(), ReplayError> {
     let p = m.prompt_len();
     let b = budget.resolve(p)?;
     let (need, have) = (policy.prompt_queries(p, b).min(p), p - m.query_start());
     if need > have {
         let spec = policy.name();
         return Err(ReplayError::TraceLacks {
-            path: trace.dir().display().to_string(),
+            path: dir.display().to_string(),
             msg: format!(
                 "is a lean trace holding the queries of the last {have} prompt positions, but policy `{spec}` at {budget} reads the last {need}{}; recapture with `kvreplay capture --keep lean --keep-queries {need}` (or `--keep full`), or choose a policy that reads fewer (`kvreplay inspect` lists what this trace can replay)",
                 if need == p { " (every prompt query)" } else { "" }
@@ -453,11 +463,20 @@ fn replay_group_refs(
 /// and its budget-independent results, kept for every policy and budget
 /// replayed through it, so a sweep pays the conversion and the full-cache
 /// reference once per trace. Dropping it frees them; a new one starts cold.
+///
+/// The copies kept are bounded by a memory cap ([`memory::default_cap`](crate::memory::default_cap)
+/// unless [`with_max_memory`](Self::with_max_memory) says otherwise): the
+/// first layers that fit stay, every later one is read from the memory map
+/// when a point needs it and dropped after, so a trace larger than memory
+/// replays a layer group at a time. Results do not depend on the cap.
 pub struct TraceReplay<'t> {
     trace: &'t Trace,
     backend: Backend,
     colsums: Arc<Vec<Vec<f32>>>,
     layers: Vec<std::sync::OnceLock<Arc<LayerData>>>,
+    /// Bytes of layer copies (and their full-cache references) kept.
+    held: std::sync::Mutex<u64>,
+    cap: u64,
 }
 
 impl<'t> TraceReplay<'t> {
@@ -474,23 +493,56 @@ impl<'t> TraceReplay<'t> {
             backend: backend.clone(),
             colsums: prompt_colsums(trace),
             layers: (0..trace.n_layers()).map(|_| Default::default()).collect(),
+            held: Default::default(),
+            cap: crate::memory::default_cap(),
         })
+    }
+
+    /// Keep at most `bytes` of layer copies between points (None: the default
+    /// share of available memory).
+    pub fn with_max_memory(mut self, bytes: Option<u64>) -> Self {
+        self.cap = bytes.unwrap_or_else(crate::memory::default_cap);
+        self
+    }
+
+    /// Estimated bytes a kept layer holds: its f32 q, k, v and the full-cache
+    /// reference of every decode step (weights over T entries per query head).
+    pub fn layer_bytes(&self) -> u64 {
+        let m = &self.trace.manifest;
+        let (h, kv, d) = (m.model.n_heads, m.model.n_kv_heads, m.model.head_dim);
+        let (t, qs, steps) = (m.total_len(), m.query_start(), m.generation.n_decode);
+        let copy = ((h * (t - qs) + 2 * kv * t) * d * 4) as u64;
+        let reference = (steps * h * (t + d) * 8) as u64;
+        copy + reference
+    }
+
+    /// Layers kept in memory between points so far.
+    pub fn layers_kept(&self) -> usize {
+        self.layers.iter().filter(|l| l.get().is_some()).count()
     }
 
     pub fn trace(&self) -> &Trace {
         self.trace
     }
 
-    /// Layer `l` as f32 with its memo.
+    /// Layer `l` as f32 with its memo: the kept copy, or a fresh one (kept
+    /// when it fits under the cap).
     pub fn layer(&self, l: usize) -> Arc<LayerData> {
-        self.layers[l]
-            .get_or_init(|| {
-                let mut d = load_layer_shared(self.trace, l, &self.colsums);
-                d.backend = self.backend.clone();
-                d.memo = Some(Default::default());
-                Arc::new(d)
-            })
-            .clone()
+        if let Some(d) = self.layers[l].get() {
+            return d.clone();
+        }
+        let mut d = load_layer_shared(self.trace, l, &self.colsums);
+        // the copy holds what the policies read: the mapped pages can go
+        self.trace.release_layer(l);
+        d.backend = self.backend.clone();
+        d.memo = Some(Default::default());
+        let d = Arc::new(d);
+        let cost = self.layer_bytes();
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if held.saturating_add(cost) <= self.cap && self.layers[l].set(d.clone()).is_ok() {
+            *held += cost;
+        }
+        d
     }
 
     /// Replay `policy` on every layer (layer groups in parallel; results do
@@ -544,5 +596,8 @@ pub fn replay_on(
     budget: Budget,
     backend: &Backend,
 ) -> Result<ReplayResult, ReplayError> {
-    TraceReplay::new(trace, backend)?.replay(policy, budget)
+    // one point reads each layer once: nothing is worth keeping
+    TraceReplay::new(trace, backend)?
+        .with_max_memory(Some(0))
+        .replay(policy, budget)
 }

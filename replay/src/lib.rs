@@ -13,6 +13,7 @@ pub mod engine;
 mod error;
 pub mod info;
 pub mod memo;
+pub mod memory;
 pub mod output;
 pub mod params;
 pub mod policies;
@@ -24,8 +25,8 @@ pub mod spec;
 
 pub use cache::HeadCache;
 pub use engine::{
-    check_reads, replay, replay_layer, replay_on, Budget, HeadMetrics, ReplayResult, Retained,
-    TraceReplay,
+    check_reads, check_reads_of, replay, replay_layer, replay_on, Budget, HeadMetrics,
+    ReplayResult, Retained, TraceReplay,
 };
 pub use error::ReplayError;
 pub use policies::{PolicyInfo, REGISTRY};

@@ -113,3 +113,18 @@ pub fn expand_traces(args: &[PathBuf]) -> Result<Vec<PathBuf>> {
     }
     Ok(out)
 }
+
+/// `--max-memory`: a size (512M, 2G) or `auto`.
+pub fn parse_memory(s: &str) -> Result<Option<u64>, String> {
+    kvreplay_replay::memory::parse_size(s)
+}
+
+/// The peak resident memory of this run, on stderr (where the OS reports it).
+pub fn report_peak_memory() {
+    if let Some(b) = kvreplay_replay::memory::peak_rss() {
+        eprintln!(
+            "peak memory (RSS): {:.1} MiB",
+            b as f64 / (1u64 << 20) as f64
+        );
+    }
+}

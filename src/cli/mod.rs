@@ -26,7 +26,7 @@ use capture::{cmd_capture, CaptureArgs};
 use claims::cmd_claims;
 use common::resolve_model;
 use compare::{cmd_compare, CompareArgs};
-use inspect::cmd_inspect;
+use inspect::{cmd_inspect, InspectArgs};
 use policies::cmd_policies;
 use replay::{cmd_replay, ReplayArgs};
 use sweep::{cmd_sweep, SweepArgs};
@@ -51,8 +51,9 @@ struct Cli {
 enum Cmd {
     /// Run a GGUF model once on a prompt and write a trace (q/k/v/o per layer and head).
     Capture(CaptureArgs),
-    /// Print a trace's manifest and per-layer shapes and norms.
-    Inspect { trace: PathBuf },
+    /// Print a trace's manifest, its size by tensor, what it can replay and
+    /// per-layer norms; or, with --estimate, the size of traces of a model.
+    Inspect(InspectArgs),
     /// Check a trace's sizes and checksums and recompute `o` from q/k/v at sample positions.
     Verify {
         trace: PathBuf,
@@ -122,7 +123,7 @@ pub fn run() -> Result<()> {
     }
     match cli.cmd {
         Cmd::Capture(a) => cmd_capture(a),
-        Cmd::Inspect { trace } => cmd_inspect(&trace),
+        Cmd::Inspect(a) => cmd_inspect(a),
         Cmd::Verify { trace, positions } => cmd_verify(&trace, positions),
         Cmd::Policies => cmd_policies(),
         Cmd::Claims { trace, json } => cmd_claims(&trace, json.as_deref()),

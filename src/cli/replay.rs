@@ -112,5 +112,6 @@ pub(super) fn cmd_replay(a: ReplayArgs) -> Result<()> {
         "wrote {}/{{metrics.csv, retention.csv, summary.json}}",
         a.out.display()
     );
+    super::common::report_peak_memory();
     Ok(())
 }

@@ -42,7 +42,15 @@ pub(super) struct SweepArgs {
     /// Skip checking the traces' files (sha256, finite values); recorded in the points.
     #[arg(long)]
     no_verify: bool,
+    /// Memory for the f32 layer copies kept between points of a trace (e.g.
+    /// 2G, 512M); layers beyond it are read from the trace when a point needs
+    /// them, so a trace larger than memory still sweeps. Results do not
+    /// depend on it. [default: auto = half the memory available]
+    #[arg(long, value_parser = super::common::parse_memory, default_value = "auto")]
+    max_memory: MaxMemory,
 }
+
+type MaxMemory = Option<u64>;
 
 /// `--shard`: `i/n`, `auto` or `auto/N`.
 #[derive(Clone, Debug, PartialEq)]
@@ -207,6 +215,7 @@ pub(super) fn cmd_sweep(a: SweepArgs) -> Result<()> {
         wait: a.wait.then_some(&tell as &dyn Fn(&str)),
         command: std::env::args().collect(),
         resubmit: std::env::var("KVREPLAY_RESUBMIT").ok(),
+        max_memory: a.max_memory,
     };
     let r = kvreplay_analysis::sweep::run_opts(&plan, &a.out, &opts, &mut |done, total, label| {
         bar.set_length(total as u64);
@@ -244,5 +253,6 @@ pub(super) fn cmd_sweep(a: SweepArgs) -> Result<()> {
         },
         a.out.display()
     );
+    super::common::report_peak_memory();
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! The kvreplay trace format (version 1).
+//! The kvreplay trace format (versions 1 and 2: lean traces store q and o for the last prompt positions only).
 //!
 //! A trace is a directory `NAME.kvtrace/` holding `manifest.json` and one
 //! safetensors file per layer (`layer-000.safetensors`, ...). Each layer file

@@ -185,6 +185,21 @@ fn lean_trace_round_trip() {
     assert!(head.contains("\"format_version\":\"2\""), "{head}");
     let r = verify(&out, &VerifyOptions::default()).unwrap();
     assert!(r.max_rel_err < 1e-6, "{}", r.max_rel_err);
+    // the size estimate (`inspect --estimate`) is what was written
+    for (t, dir) in [(&lean, &out), (&full, &full.dir().to_path_buf())] {
+        let files: u64 = t.manifest.files.iter().map(|f| f.size).sum();
+        assert_eq!(
+            t.manifest.layout().trace_bytes(),
+            files,
+            "{}",
+            dir.display()
+        );
+        let q = t.manifest.layout().tensor_bytes();
+        assert_eq!(
+            q.iter().find(|x| x.0 == "q").unwrap().1,
+            (4 * t.layer(0).q(0).rows * D * 4) as u64
+        );
+    }
     // a lean manifest labelled version 1 is refused, naming the field
     let p = out.join("manifest.json");
     let text = std::fs::read_to_string(&p)

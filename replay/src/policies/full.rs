@@ -25,6 +25,9 @@ pub static INFO: PolicyInfo = PolicyInfo {
 pub struct Full;
 
 impl Policy for Full {
+    fn name(&self) -> String {
+        "full".into()
+    }
     /// Reads no query.
     fn prompt_queries(&self, _: usize, _: usize) -> usize {
         0

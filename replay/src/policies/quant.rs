@@ -173,6 +173,9 @@ struct QGroupState {
 }
 
 impl Policy for Quant {
+    fn name(&self) -> String {
+        format!("{}+quant", self.base.name())
+    }
     /// What the policy it quantises reads.
     fn prompt_queries(&self, p: usize, b: usize) -> usize {
         self.base.prompt_queries(p, b)

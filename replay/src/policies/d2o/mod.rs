@@ -61,6 +61,9 @@ pub static INFO: PolicyInfo = PolicyInfo {
 };
 
 impl Policy for D2o {
+    fn name(&self) -> String {
+        "d2o".into()
+    }
     /// Reads keys, values and column sums only.
     fn prompt_queries(&self, _: usize, _: usize) -> usize {
         0

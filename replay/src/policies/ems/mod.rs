@@ -63,6 +63,9 @@ pub static INFO: PolicyInfo = PolicyInfo {
 };
 
 impl Policy for Ems {
+    fn name(&self) -> String {
+        "ems".into()
+    }
     /// The window's rows (s_loc).
     fn prompt_queries(&self, p: usize, b: usize) -> usize {
         self.window(b).min(p)

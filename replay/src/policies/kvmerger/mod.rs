@@ -69,6 +69,9 @@ pub static INFO: PolicyInfo = PolicyInfo {
 };
 
 impl Policy for KvMerger {
+    fn name(&self) -> String {
+        "kvmerger".into()
+    }
     /// Column sums only, except the within-set pivot (every set's own rows).
     fn prompt_queries(&self, p: usize, _: usize) -> usize {
         match self.pivot {

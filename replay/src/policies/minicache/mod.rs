@@ -73,6 +73,9 @@ struct PairState {
 }
 
 impl Policy for MiniCache {
+    fn name(&self) -> String {
+        "minicache".into()
+    }
     /// Reads keys and values only.
     fn prompt_queries(&self, _: usize, _: usize) -> usize {
         0
