@@ -133,7 +133,7 @@ fn lean_trace_is_3x_smaller_and_replays_every_policy_it_can_identically() {
     assert!(!o.status.success());
     let t = text(&o);
     assert!(
-        t.contains("keeps") || t.contains("holding the queries of the last 128 prompt positions"),
+        t.contains("holding the queries of the last 128 prompt positions"),
         "{t}"
     );
     assert!(t.contains("--keep-queries 200"), "{t}");
@@ -141,4 +141,26 @@ fn lean_trace_is_3x_smaller_and_replays_every_policy_it_can_identically() {
         !tmp.path().join("r").exists(),
         "nothing written for a refused replay"
     );
+    // and a sweep refuses when it is planned, before any point runs
+    let sw = tmp.path().join("sw");
+    let o = kvreplay(&[
+        "sweep",
+        "--traces",
+        lean.to_str().unwrap(),
+        "--policy",
+        "h2o",
+        "--policy",
+        "ahakv:use_ra=false",
+        "--budget",
+        "64,256",
+        "--out",
+        sw.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    let t = text(&o);
+    assert!(
+        t.contains("policy ahakv") && t.contains("--keep-queries"),
+        "{t}"
+    );
+    assert!(!sw.join("points").exists(), "no point computed: {t}");
 }

@@ -171,7 +171,7 @@ fn lean_trace_round_trip() {
     }
     assert_eq!(ll.k(1).to_f32(), lf.k(1).to_f32());
     assert_eq!(ll.q(0).to_f32(), lf.q(0).to_f32()[3 * D..].to_vec());
-    let e = std::panic::catch_unwind(|| ll.q(0).row_into(2, &mut vec![0f32; D]))
+    let e = std::panic::catch_unwind(|| ll.q(0).row_into(2, &mut [0f32; D]))
         .unwrap_err()
         .downcast::<String>()
         .unwrap();
