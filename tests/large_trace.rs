@@ -92,13 +92,6 @@ fn write_large(dir: &Path) -> PathBuf {
     w.finish(manifest(&lay)).unwrap()
 }
 
-fn dir_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().metadata().unwrap().len())
-        .sum()
-}
-
 /// A memory cgroup limited to `limit` bytes, removed on drop.
 struct Cgroup {
     dir: PathBuf,
@@ -170,7 +163,7 @@ fn peak_rss(o: &Output) -> u64 {
 fn a_trace_larger_than_the_memory_limit_replays_and_sweeps() {
     let tmp = tempfile::tempdir().unwrap();
     let trace = write_large(tmp.path());
-    let size = dir_bytes(&trace);
+    let size = common::dir_bytes(&trace);
     assert!(
         size > 3 * LIMIT,
         "the trace ({size} B) must dwarf the limit"

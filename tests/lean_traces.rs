@@ -13,13 +13,6 @@ use kvreplay_traces::Trace;
 mod common;
 use common::{kvreplay, text};
 
-fn dir_bytes(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().metadata().unwrap().len())
-        .sum()
-}
-
 #[test]
 fn lean_trace_is_3x_smaller_and_replays_every_policy_it_can_identically() {
     let Some(model) = common::model() else {
@@ -51,7 +44,7 @@ fn lean_trace_is_3x_smaller_and_replays_every_policy_it_can_identically() {
             text(&o)
         );
     }
-    let (fb, lb) = (dir_bytes(&full), dir_bytes(&lean));
+    let (fb, lb) = (common::dir_bytes(&full), common::dir_bytes(&lean));
     println!(
         "4,096-token trace: full {fb} B, lean {lb} B ({:.2}x smaller)",
         fb as f64 / lb as f64
