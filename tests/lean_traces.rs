@@ -5,8 +5,6 @@
 //! metrics and retention; every other one is refused before any work with an
 //! error naming the policy and the capture flag that helps.
 
-use std::path::Path;
-
 use kvreplay_replay::{check_reads, Budget, PolicySpec, TraceReplay, REGISTRY};
 use kvreplay_traces::Trace;
 
