@@ -7,7 +7,7 @@ stamp=.venv-ref/.requirements
 if [ -x .venv-ref/bin/python ] && cmp -s scripts/requirements-reference.txt "$stamp"; then
     exit 0
 fi
-echo "setting up .venv-ref (numpy, gguf, safetensors, regex, jinja2, pandas)" >&2
+echo "setting up .venv-ref (numpy, gguf, safetensors, regex, jinja2, pandas, sentencepiece, protobuf)" >&2
 python3 -m venv .venv-ref
 .venv-ref/bin/python -m pip install --quiet --disable-pip-version-check -r scripts/requirements-reference.txt
 cp scripts/requirements-reference.txt "$stamp"

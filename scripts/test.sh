@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: fetch the real model and the Python reference if needed,
+# The test command: fetch the real models (SmolLM2 and Gemma 3) and the Python reference if needed,
 # then run every test of the workspace, optimised (the real-model tests run a
 # 135M-parameter model). Tests that need the model fail rather than skip here.
 # Then the real Slurm test (scripts/slurm-local.sh: a one-node cluster on this
@@ -9,7 +9,7 @@
 # counts as one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/fetch-model.sh
+scripts/fetch-model.sh all
 scripts/setup-reference.sh
 # NVRTC (no GPU needed) so every CUDA kernel is compile-checked for sm_80/sm_90
 KVREPLAY_NVRTC_LIB=$(scripts/fetch-nvrtc.sh)

@@ -271,6 +271,23 @@ pub fn capture(
                 },
             },
             source: model.source.clone(),
+            // Recorded only when the layers differ from `rope` / full
+            // attention (so llama manifests carry no per-layer list).
+            layers: if cfg
+                .layer_attention
+                .iter()
+                .all(|la| la.window.is_none() && la.rope == cfg.rope)
+            {
+                Vec::new()
+            } else {
+                cfg.layer_attention
+                    .iter()
+                    .map(|la| kvreplay_traces::LayerAttention {
+                        window: la.window,
+                        rope_theta: la.rope.theta,
+                    })
+                    .collect()
+            },
         },
         tokens: Tokens {
             text: ids

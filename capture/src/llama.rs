@@ -1,10 +1,38 @@
 //! The llama-family forward pass in f32 (RMSNorm, RoPE, grouped-query
-//! attention, SwiGLU MLP, tied or untied output head).
+//! attention, SwiGLU MLP, tied or untied output head), generalised by an
+//! architecture description read from GGUF metadata ([`LlamaConfig`]) to
+//! Gemma 3 (`gemma3`): q/k RMSNorm per head before RoPE, post-attention and
+//! post-FFN norms, GELU-tanh gated FFN, embeddings scaled by sqrt(d_model),
+//! and per layer a sliding window and RoPE base.
 //!
 //! Weights are held in the HF layout: llama GGUFs store the rows of Q and K
 //! permuted so that llama.cpp's interleaved RoPE applies (see
 //! `unpermute_rows`); we undo that at load time and apply NEOX ("rotate_half")
 //! RoPE, so captured q and k come out exactly as HF transformers computes them.
+//! Gemma 3 GGUFs are not permuted (llama.cpp runs gemma3 with NEOX RoPE), so
+//! their rows load as stored.
+//!
+//! Gemma 3 facts this file relies on (checked against the GGUF of
+//! gemma-3-270m and HF transformers' Gemma 3):
+//! - RMSNorm is `x / rms(x) * (1 + w)` in HF; llama.cpp's converter adds the 1
+//!   to every `*norm.weight` (`norm_shift`), so the GGUF norms are applied as
+//!   `x / rms(x) * w` like llama's (the stored values hover nowhere near 0).
+//! - layer l is full attention when `l % 6 == 5` (HF `sliding_window_pattern`
+//!   6, llama.cpp `set_swa_pattern(6)`), otherwise sliding with
+//!   `gemma3.attention.sliding_window` keys: the query at t sees keys
+//!   `t - W + 1 ..= t` (HF mask `kv_idx > q_idx - W`).
+//! - full layers use `gemma3.rope.freq_base` (1e6, with the file's linear
+//!   scaling if any); sliding layers use [`GEMMA3_LOCAL_ROPE_BASE`], which
+//!   GGUF does not store (HF `rope_local_base_freq`, llama.cpp
+//!   `freq_base_swa`), unscaled.
+//! - the attention scale is `query_pre_attn_scalar^-0.5`; GGUF does not store
+//!   the scalar, and for every Gemma 3 but 27B it equals head_dim (256 here),
+//!   which is what llama.cpp uses; `{arch}.attention.scale` wins when present.
+//! - embeddings are multiplied by sqrt(d_model) in f32 (HF multiplies by
+//!   `embed_scale.to(weight.dtype)`: in bf16 that is 25.25 for d_model 640,
+//!   in f32 25.298222; llama.cpp and we use the f32 value).
+//! - no final-logit or attention softcapping in Gemma 3 (files that carry
+//!   `*.final_logit_softcapping` / `*.attn_logit_softcapping` are refused).
 
 use kvreplay_kernels::cpu::{argmax, RopeParams, RopeStyle};
 use kvreplay_kernels::{AttnShape, Backend, Buf, KernelError, Weight};
@@ -13,7 +41,33 @@ use crate::gguf::GgufFile;
 use crate::CaptureError;
 
 /// Architectures this build can run.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "gemma3"];
+
+/// RoPE base of Gemma 3's sliding-window layers (HF `rope_local_base_freq`,
+/// llama.cpp's `freq_base_swa`); GGUF files do not store it.
+pub const GEMMA3_LOCAL_ROPE_BASE: f64 = 10_000.0;
+
+/// Every `GEMMA3_SWA_PATTERN`-th layer of Gemma 3 is full attention (layer l
+/// with `l % 6 == 5`), the others sliding-window (HF
+/// `sliding_window_pattern`, llama.cpp `set_swa_pattern(6)`).
+pub const GEMMA3_SWA_PATTERN: usize = 6;
+
+/// The gated FFN's activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU: silu(gate) · up (llama).
+    Silu,
+    /// GeGLU with tanh-approximated GELU (Gemma).
+    GeluTanh,
+}
+
+/// What one layer's attention sees: its key window and its RoPE.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerAttention {
+    /// `Some(W)`: sliding window, the query at t attends to keys t-W+1..=t.
+    pub window: Option<usize>,
+    pub rope: RopeParams,
+}
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
@@ -26,21 +80,38 @@ pub struct LlamaConfig {
     pub vocab_size: usize,
     pub context_length: usize,
     pub norm_eps: f32,
+    /// The file's RoPE (the full-attention layers').
     pub rope: RopeParams,
     pub attn_scale: f32,
+    /// Per layer: window and RoPE (all `rope` and no window for llama).
+    pub layer_attention: Vec<LayerAttention>,
+    /// Per-head RMSNorm of q and k before RoPE (`attn_q_norm`, `attn_k_norm`).
+    pub qk_norm: bool,
+    /// RMSNorm of the attention and FFN outputs before the residual add
+    /// (`post_attention_norm`, `post_ffw_norm`).
+    pub post_norms: bool,
+    pub activation: Activation,
+    /// Multiply the embeddings by this (sqrt(d_model) for Gemma).
+    pub embed_scale: Option<f32>,
+    /// Q and K rows are stored permuted for interleaved RoPE (llama GGUFs).
+    pub permuted_qk: bool,
 }
 
 /// One transformer block. Shapes are (out_features, in_features), row-major.
 pub struct LayerWeights {
-    pub attn_norm: Weight, // (d_model,)
-    pub wq: Weight,        // (n_heads * head_dim, d_model), HF row order
-    pub wk: Weight,        // (n_kv_heads * head_dim, d_model), HF row order
-    pub wv: Weight,        // (n_kv_heads * head_dim, d_model)
-    pub wo: Weight,        // (d_model, n_heads * head_dim)
-    pub ffn_norm: Weight,  // (d_model,)
-    pub w_gate: Weight,    // (ffn_dim, d_model)
-    pub w_up: Weight,      // (ffn_dim, d_model)
-    pub w_down: Weight,    // (d_model, ffn_dim)
+    pub attn_norm: Weight,              // (d_model,)
+    pub q_norm: Option<Weight>,         // (head_dim,), with `qk_norm`
+    pub k_norm: Option<Weight>,         // (head_dim,), with `qk_norm`
+    pub post_attn_norm: Option<Weight>, // (d_model,), with `post_norms`
+    pub post_ffn_norm: Option<Weight>,  // (d_model,), with `post_norms`
+    pub wq: Weight,                     // (n_heads * head_dim, d_model), HF row order
+    pub wk: Weight,                     // (n_kv_heads * head_dim, d_model), HF row order
+    pub wv: Weight,                     // (n_kv_heads * head_dim, d_model)
+    pub wo: Weight,                     // (d_model, n_heads * head_dim)
+    pub ffn_norm: Weight,               // (d_model,)
+    pub w_gate: Weight,                 // (ffn_dim, d_model)
+    pub w_up: Weight,                   // (ffn_dim, d_model)
+    pub w_down: Weight,                 // (d_model, ffn_dim)
 }
 
 pub struct Llama {
@@ -140,6 +211,15 @@ impl LlamaConfig {
                 problem: format!("{rotated_dims}, which does not fit head_dim {head_dim}"),
             });
         }
+        let gemma3 = arch == "gemma3";
+        for cap in ["final_logit_softcapping", "attn_logit_softcapping"] {
+            if g.get(&k(cap)).is_some() {
+                return Err(CaptureError::Unsupported {
+                    path: g.path.clone(),
+                    msg: format!("logit softcapping ({}) is not supported", k(cap)),
+                });
+            }
+        }
         let theta = g.positive_f64(&k("rope.freq_base"), Some(10000.0))?;
         let scaling = g.opt_str(&k("rope.scaling.type"))?.unwrap_or("none");
         let linear_factor = match scaling {
@@ -172,6 +252,34 @@ impl LlamaConfig {
                 problem: "empty; a model needs a vocabulary".into(),
             });
         }
+        let rope = RopeParams {
+            theta,
+            style: RopeStyle::Neox,
+            rotated_dims,
+            linear_factor,
+        };
+        let window = if gemma3 {
+            Some(g.count(&k("attention.sliding_window"))?)
+        } else {
+            None
+        };
+        let layer_attention = (0..n_layers)
+            .map(|l| match window {
+                Some(w) if l % GEMMA3_SWA_PATTERN != GEMMA3_SWA_PATTERN - 1 => LayerAttention {
+                    window: Some(w),
+                    rope: RopeParams {
+                        theta: GEMMA3_LOCAL_ROPE_BASE,
+                        linear_factor: 1.0,
+                        ..rope
+                    },
+                },
+                _ => LayerAttention { window: None, rope },
+            })
+            .collect();
+        let attn_scale = match g.get(&k("attention.scale")) {
+            Some(_) => g.positive_f32(&k("attention.scale"), None)?,
+            None => 1.0 / (head_dim as f32).sqrt(),
+        };
         Ok(LlamaConfig {
             n_layers,
             d_model,
@@ -182,13 +290,18 @@ impl LlamaConfig {
             vocab_size,
             context_length,
             norm_eps,
-            rope: RopeParams {
-                theta,
-                style: RopeStyle::Neox,
-                rotated_dims,
-                linear_factor,
+            rope,
+            attn_scale,
+            layer_attention,
+            qk_norm: gemma3,
+            post_norms: gemma3,
+            activation: if gemma3 {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
             },
-            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            embed_scale: gemma3.then(|| (d_model as f32).sqrt()),
+            permuted_qk: !gemma3,
         })
     }
 }
@@ -215,22 +328,31 @@ impl Llama {
                 let t = |name: &str, dims: &[u64]| {
                     g.tensor_f32(&format!("blk.{l}.{name}.weight"), dims)
                 };
+                let qk = |name: &str, heads: usize| -> Result<Weight, CaptureError> {
+                    let w = t(name, &[d, heads as u64 * hd])?;
+                    Ok(if cfg.permuted_qk {
+                        unpermute_rows(&w, heads, cfg.head_dim, cfg.d_model)
+                    } else {
+                        w
+                    }
+                    .into())
+                };
+                let opt =
+                    |on: bool, name: &str, dim: u64| -> Result<Option<Weight>, CaptureError> {
+                        Ok(if on {
+                            Some(t(name, &[dim])?.into())
+                        } else {
+                            None
+                        })
+                    };
                 Ok(LayerWeights {
                     attn_norm: t("attn_norm", &[d])?.into(),
-                    wq: unpermute_rows(
-                        &t("attn_q", &[d, h * hd])?,
-                        cfg.n_heads,
-                        cfg.head_dim,
-                        cfg.d_model,
-                    )
-                    .into(),
-                    wk: unpermute_rows(
-                        &t("attn_k", &[d, kv * hd])?,
-                        cfg.n_kv_heads,
-                        cfg.head_dim,
-                        cfg.d_model,
-                    )
-                    .into(),
+                    q_norm: opt(cfg.qk_norm, "attn_q_norm", hd)?,
+                    k_norm: opt(cfg.qk_norm, "attn_k_norm", hd)?,
+                    post_attn_norm: opt(cfg.post_norms, "post_attention_norm", d)?,
+                    post_ffn_norm: opt(cfg.post_norms, "post_ffw_norm", d)?,
+                    wq: qk("attn_q", cfg.n_heads)?,
+                    wk: qk("attn_k", cfg.n_kv_heads)?,
                     wv: t("attn_v", &[d, kv * hd])?.into(),
                     wo: t("attn_output", &[h * hd, d])?.into(),
                     ffn_norm: t("ffn_norm", &[d])?.into(),
@@ -366,7 +488,14 @@ impl Llama {
         // computes. With probabilities, (n_heads, c, n) per layer, each
         // layer's taps come down as soon as it is done (one copy of q/k/v/o,
         // one of the probabilities) rather than holding every layer's.
-        let rope = be.rope_table(c, pos0, &cfg.rope, 1.0)?;
+        // One table per distinct RoPE among the layers (one for llama; the
+        // full and the sliding layers' for Gemma 3).
+        let mut ropes: Vec<(RopeParams, Buf)> = Vec::new();
+        for la in &cfg.layer_attention {
+            if !ropes.iter().any(|(p, _)| *p == la.rope) {
+                ropes.push((la.rope, be.rope_table(c, pos0, &la.rope, 1.0)?));
+            }
+        }
         // Taps gathered on the device: per layer q, k, v, o.
         let (q_len, kv_len) = (nh * c * hd, nkv * c * hd);
         let tap_len = 2 * (q_len + kv_len);
@@ -396,13 +525,29 @@ impl Llama {
         };
         // x: (c, d_model) residual stream
         let mut x = be.embed(&self.embed, dm, tokens)?;
+        if let Some(s) = cfg.embed_scale {
+            be.scale(&mut x, s)?;
+        }
         for (l, w) in self.layers.iter().enumerate() {
+            let la = &cfg.layer_attention[l];
+            let rope = &ropes
+                .iter()
+                .find(|(p, _)| *p == la.rope)
+                .expect("a table per layer RoPE")
+                .1;
             let h = be.norm(&x, &w.attn_norm, cfg.norm_eps)?;
             let mut q = be.matmul(&h, &w.wq, c, dm, nh * hd)?; // (c, n_heads * head_dim)
             let mut k = be.matmul(&h, &w.wk, c, dm, nkv * hd)?; // (c, n_kv_heads * head_dim)
             let v = be.matmul(&h, &w.wv, c, dm, nkv * hd)?;
-            be.rotate(&mut q, nh, hd, &cfg.rope, &rope)?;
-            be.rotate(&mut k, nkv, hd, &cfg.rope, &rope)?;
+            // Per-head RMSNorm: rows of head_dim.
+            if let Some(qn) = &w.q_norm {
+                q = be.norm(&q, qn, cfg.norm_eps)?;
+            }
+            if let Some(kn) = &w.k_norm {
+                k = be.norm(&k, kn, cfg.norm_eps)?;
+            }
+            be.rotate(&mut q, nh, hd, &la.rope, rope)?;
+            be.rotate(&mut k, nkv, hd, &la.rope, rope)?;
             // head-major: q (n_heads, c, d), k and v (n_kv_heads, c, d)
             let q = be.transpose_heads(&q, c, nh, hd, true)?;
             let k = be.transpose_heads(&k, c, nkv, hd, true)?;
@@ -436,8 +581,15 @@ impl Llama {
                 be.upload(&o)?
             } else {
                 let colsum = opts.colsum.as_deref_mut().map(|cs| &mut cs[l]);
-                let o =
-                    be.attention(&q, &cache.k[l], &cache.v[l], shape, colsum, probs.as_mut())?;
+                let o = be.attention_windowed(
+                    &q,
+                    &cache.k[l],
+                    &cache.v[l],
+                    shape,
+                    la.window,
+                    colsum,
+                    probs.as_mut(),
+                )?;
                 // Gather this layer's taps on the device; without
                 // probabilities they come down together after the last
                 // layer, so the host never waits on the device in the loop.
@@ -456,14 +608,23 @@ impl Llama {
                 o
             };
             let o_rows = be.transpose_heads(&o, c, nh, hd, false)?;
-            let attn = be.matmul(&o_rows, &w.wo, c, nh * hd, dm)?;
+            let mut attn = be.matmul(&o_rows, &w.wo, c, nh * hd, dm)?;
+            if let Some(pn) = &w.post_attn_norm {
+                attn = be.norm(&attn, pn, cfg.norm_eps)?;
+            }
             be.add_assign(&mut x, &attn)?;
-            // SwiGLU MLP
+            // Gated MLP (SwiGLU or GeGLU)
             let h = be.norm(&x, &w.ffn_norm, cfg.norm_eps)?;
             let mut gate = be.matmul(&h, &w.w_gate, c, dm, cfg.ffn_dim)?;
             let up = be.matmul(&h, &w.w_up, c, dm, cfg.ffn_dim)?;
-            be.swiglu(&mut gate, &up)?;
-            let down = be.matmul(&gate, &w.w_down, c, cfg.ffn_dim, dm)?;
+            match cfg.activation {
+                Activation::Silu => be.swiglu(&mut gate, &up)?,
+                Activation::GeluTanh => be.gelu_tanh_mul(&mut gate, &up)?,
+            }
+            let mut down = be.matmul(&gate, &w.w_down, c, cfg.ffn_dim, dm)?;
+            if let Some(pn) = &w.post_ffn_norm {
+                down = be.norm(&down, pn, cfg.norm_eps)?;
+            }
             be.add_assign(&mut x, &down)?;
         }
         if layers_held == cfg.n_layers {

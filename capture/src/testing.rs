@@ -263,3 +263,143 @@ impl Drop for TmpfsMount {
         }
     }
 }
+
+/// The tiny Gemma 3's sliding window (keys per query, counting itself).
+pub const GEMMA3_WINDOW: u64 = 4;
+/// Its layers: layer 5 is the full-attention one (`l % 6 == 5`).
+pub const GEMMA3_LAYERS: usize = 6;
+
+/// A SentencePiece vocabulary: control pieces, the 256 byte pieces, then
+/// scored pieces (the merge order follows the scores: `th` before `he`).
+pub fn spm_vocab() -> (Vec<String>, Vec<f32>, Vec<i32>) {
+    let mut pieces: Vec<String> = ["<pad>", "<eos>", "<bos>", "<unk>"]
+        .map(String::from)
+        .to_vec();
+    let mut scores = vec![0f32; 4];
+    let mut types = vec![3i32; 4];
+    for b in 0..256 {
+        pieces.push(format!("<0x{b:02X}>"));
+        scores.push(0.0);
+        types.push(6);
+    }
+    for (p, s) in [
+        ("▁", -1.0),
+        ("t", -2.0),
+        ("h", -3.0),
+        ("e", -4.0),
+        ("a", -5.0),
+        ("c", -6.0),
+        ("th", -7.0),
+        ("he", -8.0),
+        ("the", -9.0),
+        ("▁the", -10.0),
+        ("▁c", -11.0),
+        ("at", -12.0),
+        ("▁cat", -13.0),
+    ] {
+        pieces.push(p.into());
+        scores.push(s);
+        types.push(1);
+    }
+    pieces.push("\n".into()); // user-defined, matched whole
+    scores.push(0.0);
+    types.push(4);
+    (pieces, scores, types)
+}
+
+/// A tiny `gemma3` GGUF: 6 layers (5 sliding with a window of
+/// [`GEMMA3_WINDOW`], layer 5 full), MQA, head_dim 8 from
+/// `attention.key_length`, q/k norms, post norms, and a SentencePiece
+/// vocabulary ([`spm_vocab`]).
+pub fn tiny_gemma3_gguf(dir: &Path) -> PathBuf {
+    let path = dir.join("tiny-gemma3.gguf");
+    std::fs::write(&path, tiny_gemma3_gguf_bytes(|_, _| {})).unwrap();
+    path
+}
+
+pub fn tiny_gemma3_gguf_bytes(
+    edit: impl FnOnce(&mut Vec<(String, MetaValue)>, &mut Vec<RawTensor>),
+) -> Vec<u8> {
+    let (pieces, scores, types) = spm_vocab();
+    let v = pieces.len() as u64;
+    let a = "gemma3";
+    let (heads, hd) = (2u64, HEAD_DIM);
+    let mut meta: Vec<(String, MetaValue)> = vec![
+        ("general.architecture".into(), MetaValue::Str(a.into())),
+        ("general.name".into(), MetaValue::Str("tiny gemma3".into())),
+        (
+            format!("{a}.block_count"),
+            MetaValue::Uint(GEMMA3_LAYERS as u64),
+        ),
+        (format!("{a}.context_length"), MetaValue::Uint(64)),
+        (format!("{a}.embedding_length"), MetaValue::Uint(D_MODEL)),
+        (format!("{a}.feed_forward_length"), MetaValue::Uint(FFN)),
+        (format!("{a}.attention.head_count"), MetaValue::Uint(heads)),
+        (format!("{a}.attention.head_count_kv"), MetaValue::Uint(1)),
+        (format!("{a}.attention.key_length"), MetaValue::Uint(hd)),
+        (format!("{a}.attention.value_length"), MetaValue::Uint(hd)),
+        (
+            format!("{a}.attention.sliding_window"),
+            MetaValue::Uint(GEMMA3_WINDOW),
+        ),
+        (format!("{a}.rope.freq_base"), MetaValue::Float(1_000_000.0)),
+        (
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            MetaValue::Float(1e-6),
+        ),
+        (
+            "tokenizer.ggml.model".into(),
+            MetaValue::Str("llama".into()),
+        ),
+        (
+            "tokenizer.ggml.pre".into(),
+            MetaValue::Str("default".into()),
+        ),
+        (
+            "tokenizer.ggml.tokens".into(),
+            MetaValue::Array(MetaArray::Str(pieces.iter().collect())),
+        ),
+        (
+            "tokenizer.ggml.scores".into(),
+            MetaValue::Array(MetaArray::F32(scores)),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            MetaValue::Array(MetaArray::I32(types)),
+        ),
+        ("tokenizer.ggml.bos_token_id".into(), MetaValue::Uint(2)),
+        ("tokenizer.ggml.eos_token_id".into(), MetaValue::Uint(1)),
+        ("tokenizer.ggml.unknown_token_id".into(), MetaValue::Uint(3)),
+        ("tokenizer.ggml.add_bos_token".into(), MetaValue::Bool(true)),
+        (
+            "tokenizer.ggml.add_space_prefix".into(),
+            MetaValue::Bool(false),
+        ),
+    ];
+    let (d, q, kv, f) = (D_MODEL, heads * hd, hd, FFN);
+    let mut t = vec![
+        f32_tensor("output_norm.weight", &[d], 2, 1.0),
+        q8_0_tensor("token_embd.weight", &[d, v], 1, 1.0),
+    ];
+    for l in 0..GEMMA3_LAYERS as u64 {
+        let s = 100 * (l + 1);
+        let n = |x: &str| format!("blk.{l}.{x}.weight");
+        t.push(f32_tensor(&n("attn_norm"), &[d], s + 1, 1.0));
+        t.push(f32_tensor(&n("attn_q"), &[d, q], s + 2, 0.5));
+        t.push(f32_tensor(&n("attn_k"), &[d, kv], s + 3, 0.5));
+        t.push(f32_tensor(&n("attn_v"), &[d, kv], s + 4, 0.5));
+        t.push(f32_tensor(&n("attn_q_norm"), &[hd], s + 10, 1.0));
+        t.push(f32_tensor(&n("attn_k_norm"), &[hd], s + 11, 1.0));
+        t.push(f32_tensor(&n("attn_output"), &[q, d], s + 5, 0.3));
+        t.push(f32_tensor(&n("post_attention_norm"), &[d], s + 12, 1.0));
+        t.push(f32_tensor(&n("ffn_norm"), &[d], s + 6, 1.0));
+        t.push(f32_tensor(&n("ffn_gate"), &[d, f], s + 7, 0.3));
+        t.push(f32_tensor(&n("ffn_up"), &[d, f], s + 8, 0.3));
+        t.push(f32_tensor(&n("ffn_down"), &[f, d], s + 9, 0.3));
+        t.push(f32_tensor(&n("post_ffw_norm"), &[d], s + 13, 1.0));
+    }
+    edit(&mut meta, &mut t);
+    let meta_refs: Vec<(&str, MetaValue)> =
+        meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    gguf_bytes(&meta_refs, &t)
+}

@@ -3,6 +3,15 @@
 //! Byte-level BPE ("gpt2" tokenizer model) through the HF `tokenizers` crate,
 //! with the pre-tokenizer the file names in `tokenizer.ggml.pre`, matching
 //! llama.cpp's tokenisation (control tokens are matched whole, no BOS is added).
+//!
+//! SentencePiece vocabularies (`tokenizer.ggml.model = llama`, Gemma 3) with
+//! [`Spm`], llama.cpp's `llm_tokenizer_spm`: spaces become `▁`, the text
+//! starts as one symbol per UTF-8 character, the adjacent pair whose
+//! concatenation is a piece with the highest score is merged (ties: the
+//! leftmost) until none is, and a symbol that is no piece falls back to its
+//! bytes as `<0xNN>` pieces. Control and user-defined pieces written in the
+//! text are matched whole; BOS is prepended when
+//! `tokenizer.ggml.add_bos_token` says so.
 
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -25,8 +34,13 @@ pub const SUPPORTED_PRE: &[&str] = &["smollm", "gpt2", "default", "llama-bpe", "
 /// Token ids and each token's byte range in the encoded text.
 pub type Encoded = (Vec<u32>, Vec<(usize, usize)>);
 
+enum Inner {
+    Bpe(Box<tokenizers::Tokenizer>),
+    Spm(Spm),
+}
+
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Inner,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     tokens: Vec<String>,
@@ -43,11 +57,26 @@ pub const CHAT_TEMPLATE_FUEL: u64 = 1_000_000;
 impl Tokenizer {
     pub fn from_gguf(g: &GgufFile) -> Result<Tokenizer, CaptureError> {
         let model = g.get_str("tokenizer.ggml.model")?;
+        let id = |k: &str| g.get(k).and_then(|v| v.as_u64()).map(|v| v as u32);
+        if model == "llama" {
+            let spm = Spm::from_gguf(g)?;
+            return Ok(Tokenizer {
+                bos: id("tokenizer.ggml.bos_token_id"),
+                eos: id("tokenizer.ggml.eos_token_id"),
+                tokens: spm.pieces.clone(),
+                inner: Inner::Spm(spm),
+                source: g.path.clone(),
+                chat_template: g
+                    .get("tokenizer.chat_template")
+                    .and_then(|v| v.as_str())
+                    .map(String::from),
+            });
+        }
         if model != "gpt2" {
             return Err(CaptureError::Unsupported {
                 path: g.path.clone(),
                 msg: format!(
-                    "tokenizer model `{model}` (tokenizer.ggml.model); only byte-level BPE (`gpt2`) is supported"
+                    "tokenizer model `{model}` (tokenizer.ggml.model); only byte-level BPE (`gpt2`) and SentencePiece (`llama`) are supported"
                 ),
             });
         }
@@ -148,9 +177,8 @@ impl Tokenizer {
             .map(|(s, _)| AddedToken::from(s.clone(), false))
             .collect();
         inner.add_tokens(&user);
-        let id = |k: &str| g.get(k).and_then(|v| v.as_u64()).map(|v| v as u32);
         Ok(Tokenizer {
-            inner,
+            inner: Inner::Bpe(Box::new(inner)),
             bos: id("tokenizer.ggml.bos_token_id"),
             eos: id("tokenizer.ggml.eos_token_id"),
             tokens,
@@ -168,33 +196,40 @@ impl Tokenizer {
 
     /// Token ids of `text`, adding no special tokens (control tokens written
     /// in the text are matched whole, as llama.cpp does with `special=true`).
+    /// (SentencePiece vocabularies add BOS when the file says so.)
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, CaptureError> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| CaptureError::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        Ok(self.encode_with_offsets(text)?.0)
     }
 
     /// Token ids of `text` and each token's byte range in it.
     pub fn encode_with_offsets(&self, text: &str) -> Result<Encoded, CaptureError> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| CaptureError::Tokenizer(e.to_string()))?;
-        Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
+        match &self.inner {
+            Inner::Bpe(t) => {
+                let enc = t
+                    .encode(text, false)
+                    .map_err(|e| CaptureError::Tokenizer(e.to_string()))?;
+                Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
+            }
+            Inner::Spm(s) => Ok(s.encode(text)),
+        }
     }
 
     /// The decoded text of one token (control tokens as written).
     pub fn decode_token(&self, id: u32) -> String {
-        self.inner
-            .decode(&[id], false)
-            .unwrap_or_else(|_| self.tokens.get(id as usize).cloned().unwrap_or_default())
+        match &self.inner {
+            Inner::Bpe(t) => t
+                .decode(&[id], false)
+                .unwrap_or_else(|_| self.tokens.get(id as usize).cloned().unwrap_or_default()),
+            Inner::Spm(s) => s.decode(&[id]),
+        }
     }
 
     /// Decode a sequence of ids to text.
     pub fn decode(&self, ids: &[u32]) -> String {
-        self.inner.decode(ids, false).unwrap_or_default()
+        match &self.inner {
+            Inner::Bpe(t) => t.decode(ids, false).unwrap_or_default(),
+            Inner::Spm(s) => s.decode(ids),
+        }
     }
 
     /// Render the model's chat template for one user message, ready for the
@@ -245,5 +280,301 @@ impl Tokenizer {
         env.get_template("chat")
             .and_then(|t| t.render(ctx))
             .map_err(err)
+    }
+}
+
+/// A SentencePiece vocabulary tokenised as llama.cpp's `llm_tokenizer_spm`
+/// does (see the module docs).
+pub struct Spm {
+    pieces: Vec<String>,
+    scores: Vec<f32>,
+    types: Vec<u64>,
+    ids: std::collections::HashMap<String, u32>,
+    /// `<0xNN>` piece of each byte.
+    bytes: Vec<Option<u32>>,
+    /// Control (3) and user-defined (4) pieces, matched whole in the text,
+    /// longest first.
+    specials: Vec<(String, u32)>,
+    bos: Option<u32>,
+    add_bos: bool,
+    add_space_prefix: bool,
+}
+
+impl Spm {
+    pub fn from_gguf(g: &GgufFile) -> Result<Spm, CaptureError> {
+        let pieces: Vec<String> = g
+            .get_strings("tokenizer.ggml.tokens")?
+            .iter()
+            .map(String::from)
+            .collect();
+        let n = pieces.len();
+        let meta_err = |key: &str, problem: String| CaptureError::Metadata {
+            path: g.path.clone(),
+            key: key.into(),
+            problem,
+        };
+        let scores: Vec<f32> = match g.get("tokenizer.ggml.scores").and_then(|v| v.as_array()) {
+            Some(crate::gguf::MetaArray::F32(v)) if v.len() == n => v.clone(),
+            Some(a) => {
+                return Err(meta_err(
+                    "tokenizer.ggml.scores",
+                    format!("{} entries (need {n} f32 scores)", a.len()),
+                ))
+            }
+            None => {
+                return Err(meta_err(
+                    "tokenizer.ggml.scores",
+                    "missing; a SentencePiece vocabulary needs piece scores".into(),
+                ))
+            }
+        };
+        let types: Vec<u64> = match g
+            .get("tokenizer.ggml.token_type")
+            .and_then(|v| v.as_array())
+        {
+            Some(a) => (0..n).map(|i| a.u64_at(i).unwrap_or(1)).collect(),
+            None => vec![1; n],
+        };
+        let mut ids = std::collections::HashMap::with_capacity(n);
+        for (i, p) in pieces.iter().enumerate() {
+            ids.entry(p.clone()).or_insert(i as u32);
+        }
+        let bytes = (0..256)
+            .map(|b| ids.get(&format!("<0x{b:02X}>")).copied())
+            .collect();
+        let mut specials: Vec<(String, u32)> = pieces
+            .iter()
+            .zip(&types)
+            .enumerate()
+            .filter(|(_, (p, t))| (**t == 3 || **t == 4) && !p.is_empty())
+            .map(|(i, (p, _))| (p.clone(), i as u32))
+            .collect();
+        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let flag = |k: &str, default: bool| match g.get(k) {
+            Some(crate::gguf::MetaValue::Bool(b)) => *b,
+            _ => default,
+        };
+        Ok(Spm {
+            bos: g
+                .get("tokenizer.ggml.bos_token_id")
+                .and_then(|v| v.as_u64())
+                .map(|v| v as u32),
+            add_bos: flag("tokenizer.ggml.add_bos_token", true),
+            add_space_prefix: flag("tokenizer.ggml.add_space_prefix", true),
+            pieces,
+            scores,
+            types,
+            ids,
+            bytes,
+            specials,
+        })
+    }
+
+    /// Ids of `text` (BOS first when the vocabulary adds it) and each id's
+    /// byte range in `text` (BOS: an empty range at 0; a space prefix added
+    /// by the tokenizer is counted in the first token's range).
+    pub fn encode(&self, text: &str) -> Encoded {
+        let mut ids = Vec::new();
+        let mut offs = Vec::new();
+        if self.add_bos {
+            if let Some(b) = self.bos {
+                ids.push(b);
+                offs.push((0, 0));
+            }
+        }
+        // Split on control / user-defined pieces, matched whole.
+        let mut at = 0;
+        let mut plain_start = 0;
+        let mut first = true;
+        while at < text.len() {
+            let hit = self
+                .specials
+                .iter()
+                .find(|(p, _)| text[at..].starts_with(p.as_str()));
+            match hit {
+                Some((p, id)) => {
+                    if plain_start < at {
+                        self.encode_plain(text, plain_start, at, first, &mut ids, &mut offs);
+                    }
+                    first = false;
+                    ids.push(*id);
+                    offs.push((at, at + p.len()));
+                    at += p.len();
+                    plain_start = at;
+                }
+                None => at += text[at..].chars().next().map_or(1, char::len_utf8),
+            }
+        }
+        if plain_start < text.len() {
+            self.encode_plain(text, plain_start, text.len(), first, &mut ids, &mut offs);
+        }
+        (ids, offs)
+    }
+
+    /// llama.cpp's SPM merge loop over text[start..end].
+    fn encode_plain(
+        &self,
+        text: &str,
+        start: usize,
+        end: usize,
+        first: bool,
+        ids: &mut Vec<u32>,
+        offs: &mut Vec<(usize, usize)>,
+    ) {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        // The escaped text and, per escaped byte, its byte in `text`.
+        let mut esc = String::new();
+        let mut src: Vec<usize> = Vec::new();
+        if self.add_space_prefix && first {
+            esc.push('▁');
+            src.extend([start; 3]);
+        }
+        for (i, ch) in text[start..end].char_indices() {
+            if ch == ' ' {
+                esc.push('▁');
+                src.extend([start + i; 3]);
+            } else {
+                esc.push(ch);
+                src.extend((0..ch.len_utf8()).map(|_| start + i));
+            }
+        }
+        src.push(end);
+        // Symbols: (start, len) in `esc`, linked by prev / next.
+        struct Sym {
+            at: usize,
+            n: usize,
+            prev: Option<usize>,
+            next: Option<usize>,
+        }
+        let mut syms: Vec<Sym> = Vec::new();
+        for (i, ch) in esc.char_indices() {
+            let k = syms.len();
+            syms.push(Sym {
+                at: i,
+                n: ch.len_utf8(),
+                prev: k.checked_sub(1),
+                next: None,
+            });
+            if k > 0 {
+                syms[k - 1].next = Some(k);
+            }
+        }
+        // (score, leftmost first, left, right, merged length)
+        type Bigram = (OrdF32, Reverse<usize>, usize, usize);
+        let mut heap: BinaryHeap<Bigram> = BinaryHeap::new();
+        let mut merged_from: std::collections::HashMap<(usize, usize), (usize, usize)> =
+            std::collections::HashMap::new();
+        let push = |heap: &mut BinaryHeap<Bigram>, syms: &[Sym], l: usize, r: usize| {
+            let piece = &esc[syms[l].at..syms[r].at + syms[r].n];
+            if let Some(&id) = self.ids.get(piece) {
+                heap.push((
+                    OrdF32(self.scores[id as usize]),
+                    Reverse(l),
+                    l,
+                    syms[l].n + syms[r].n,
+                ));
+            }
+        };
+        for l in 1..syms.len() {
+            push(&mut heap, &syms, l - 1, l);
+        }
+        // Each bigram's right symbol, looked up when popped (it is the left's
+        // `next` when the bigram is still valid).
+        while let Some((_, _, l, len)) = heap.pop() {
+            let Some(r) = syms[l].next else { continue };
+            if syms[l].n == 0 || syms[r].n == 0 || syms[l].n + syms[r].n != len {
+                continue;
+            }
+            merged_from.insert((syms[l].at, len), (syms[l].n, syms[r].n));
+            syms[l].n += syms[r].n;
+            syms[r].n = 0;
+            syms[l].next = syms[r].next;
+            if let Some(nn) = syms[r].next {
+                syms[nn].prev = Some(l);
+            }
+            if let Some(p) = syms[l].prev {
+                push(&mut heap, &syms, p, l);
+            }
+            if let Some(nn) = syms[l].next {
+                push(&mut heap, &syms, l, nn);
+            }
+        }
+        let mut i = if syms.is_empty() { None } else { Some(0) };
+        while let Some(k) = i {
+            self.resegment(&esc, &src, syms[k].at, syms[k].n, &merged_from, ids, offs);
+            i = syms[k].next;
+        }
+    }
+
+    /// Emit the piece esc[at..at+n], or its two merged halves, or its bytes.
+    #[allow(clippy::too_many_arguments)]
+    fn resegment(
+        &self,
+        esc: &str,
+        src: &[usize],
+        at: usize,
+        n: usize,
+        merged_from: &std::collections::HashMap<(usize, usize), (usize, usize)>,
+        ids: &mut Vec<u32>,
+        offs: &mut Vec<(usize, usize)>,
+    ) {
+        if let Some(&id) = self.ids.get(&esc[at..at + n]) {
+            ids.push(id);
+            offs.push((src[at], src[at + n]));
+            return;
+        }
+        if let Some(&(a, b)) = merged_from.get(&(at, n)) {
+            self.resegment(esc, src, at, a, merged_from, ids, offs);
+            self.resegment(esc, src, at + a, b, merged_from, ids, offs);
+            return;
+        }
+        for (j, b) in esc.as_bytes()[at..at + n].iter().enumerate() {
+            // A byte without a `<0xNN>` piece becomes the unknown piece (0 if none).
+            let id = self.bytes[*b as usize]
+                .or_else(|| self.ids.get("<unk>").copied())
+                .unwrap_or(0);
+            ids.push(id);
+            offs.push((src[at + j], src[at + j + 1].max(src[at + j])));
+        }
+    }
+
+    /// Text of `ids`: `▁` as a space, `<0xNN>` pieces as their bytes (UTF-8
+    /// decoded lossily), control pieces as written.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        let mut out: Vec<u8> = Vec::new();
+        for &id in ids {
+            let Some(p) = self.pieces.get(id as usize) else {
+                continue;
+            };
+            let ty = self.types.get(id as usize).copied().unwrap_or(1);
+            if ty == 6 {
+                if let Some(b) = p
+                    .strip_prefix("<0x")
+                    .and_then(|h| h.strip_suffix('>'))
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                {
+                    out.push(b);
+                    continue;
+                }
+            }
+            out.extend_from_slice(p.replace('▁', " ").as_bytes());
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+}
+
+/// An f32 ordered totally (for the merge queue).
+#[derive(Clone, Copy, PartialEq)]
+struct OrdF32(f32);
+impl Eq for OrdF32 {}
+impl PartialOrd for OrdF32 {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for OrdF32 {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&o.0)
     }
 }

@@ -273,12 +273,12 @@ fn bad_models_are_explained() {
     let e = err_of(Model::load(&tiny_gguf(
         p,
         &Tweak {
-            ffn_up_type: 6,
+            ffn_up_type: 7,
             ..PLAIN
         },
     )));
     assert!(
-        e.contains("blk.0.ffn_up.weight") && e.contains("Q5_0") && e.contains("cannot dequantise"),
+        e.contains("blk.0.ffn_up.weight") && e.contains("Q5_1") && e.contains("cannot dequantise"),
         "{e}"
     );
     let good = tiny_gguf(p, &PLAIN);

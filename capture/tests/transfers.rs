@@ -11,7 +11,9 @@
 //! (every operation copied its inputs in and its outputs out, and the K/V
 //! prefix went up again for every query head).
 
-use kvreplay_capture::llama::{ForwardOptions, KvCache, LayerWeights, Llama, LlamaConfig};
+use kvreplay_capture::llama::{
+    Activation, ForwardOptions, KvCache, LayerAttention, LayerWeights, Llama, LlamaConfig,
+};
 use kvreplay_capture::testing::weights;
 use kvreplay_kernels::cpu::{RopeParams, RopeStyle};
 use kvreplay_kernels::transfers::{self, Transfers};
@@ -21,6 +23,12 @@ use kvreplay_kernels::{Backend, Weight};
 /// activations finite; their values do not matter here).
 fn model(n_layers: usize, n_heads: usize, n_kv_heads: usize) -> Llama {
     let (d, hd, f, v) = (24, 6, 40, 50);
+    let rope = RopeParams {
+        theta: 10000.0,
+        style: RopeStyle::Neox,
+        rotated_dims: hd,
+        linear_factor: 1.0,
+    };
     let cfg = LlamaConfig {
         n_layers,
         d_model: d,
@@ -31,18 +39,23 @@ fn model(n_layers: usize, n_heads: usize, n_kv_heads: usize) -> Llama {
         vocab_size: v,
         context_length: 64,
         norm_eps: 1e-5,
-        rope: RopeParams {
-            theta: 10000.0,
-            style: RopeStyle::Neox,
-            rotated_dims: hd,
-            linear_factor: 1.0,
-        },
+        rope,
         attn_scale: 1.0 / (hd as f32).sqrt(),
+        layer_attention: vec![LayerAttention { window: None, rope }; n_layers],
+        qk_norm: false,
+        post_norms: false,
+        activation: Activation::Silu,
+        embed_scale: None,
+        permuted_qk: true,
     };
     let w = |n: usize, seed: u64| Weight::new(weights(n, seed, 0.2));
     let layers = (0..n_layers as u64)
         .map(|l| LayerWeights {
             attn_norm: Weight::new(vec![1.0; d]),
+            q_norm: None,
+            k_norm: None,
+            post_attn_norm: None,
+            post_ffn_norm: None,
             wq: w(n_heads * hd * d, 10 * l + 1),
             wk: w(n_kv_heads * hd * d, 10 * l + 2),
             wv: w(n_kv_heads * hd * d, 10 * l + 3),

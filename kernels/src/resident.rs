@@ -154,6 +154,33 @@ impl Backend {
         }
     }
 
+    /// gate = gelu_tanh(gate) · up (Gemma's GeGLU). CPU only for now.
+    pub fn gelu_tanh_mul(&self, gate: &mut Buf, up: &Buf) -> Result<(), KernelError> {
+        check(gate.len() == up.len(), "gelu_mul", || {
+            "gate and up differ in length".into()
+        })?;
+        match self {
+            Backend::Cpu => {
+                cpu::gelu_tanh_mul(gate.host_mut(), up.host());
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => Err(cuda_not_yet("gelu_mul (GELU-tanh gate)")),
+        }
+    }
+
+    /// x *= s, element-wise (Gemma's embedding scale). CPU only for now.
+    pub fn scale(&self, x: &mut Buf, s: f32) -> Result<(), KernelError> {
+        match self {
+            Backend::Cpu => {
+                cpu::scale(x.host_mut(), s);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => Err(cuda_not_yet("scale")),
+        }
+    }
+
     /// The (rows, rotated_dims / 2, 2) cos/sin table for positions
     /// pos0 .. pos0 + rows, on the device (counted).
     pub fn rope_table(
@@ -289,6 +316,27 @@ impl Backend {
         colsum: Option<&mut Buf>,
         probs: Option<&mut Buf>,
     ) -> Result<Buf, KernelError> {
+        self.attention_windowed(q, k, v, s, None, colsum, probs)
+    }
+
+    /// [`Backend::attention`] with an optional sliding window: the query at
+    /// position t attends to keys `max(0, t - W + 1) ..= t` (see
+    /// [`cpu::windowed_attention_head`]). On CUDA only windows that cover
+    /// every position (no key masked) run yet.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_windowed(
+        &self,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        s: AttnShape,
+        window: Option<usize>,
+        colsum: Option<&mut Buf>,
+        probs: Option<&mut Buf>,
+    ) -> Result<Buf, KernelError> {
+        check(window != Some(0), "attention", || {
+            "a window of 0 keys".into()
+        })?;
         let AttnShape {
             n_heads: nh,
             n_kv_heads: nkv,
@@ -343,12 +391,13 @@ impl Backend {
                     .for_each(|(head, ((out, cs), pr))| {
                         let g = head / group;
                         let kv = g * cap * d..(g * cap + n) * d;
-                        cpu::causal_attention_head(
+                        cpu::windowed_attention_head(
                             &q[head * c * d..(head + 1) * c * d],
                             &kc[kv.clone()],
                             &vc[kv],
                             d,
                             pos0,
+                            window,
                             s.scale,
                             out,
                             AttentionStats {
@@ -360,9 +409,22 @@ impl Backend {
                 Ok(Buf::Host(o))
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(cu) => cu.attention(q, k, v, s, colsum, probs),
+            Backend::Cuda(cu) => {
+                if window.is_some_and(|w| w < n) {
+                    return Err(cuda_not_yet("sliding-window attention"));
+                }
+                cu.attention(q, k, v, s, colsum, probs)
+            }
         }
     }
+}
+
+/// An operation this build runs on the CPU only (Gemma 3's ops).
+#[cfg(feature = "cuda")]
+fn cuda_not_yet(op: &str) -> KernelError {
+    KernelError::Unavailable(format!(
+        "{op} is not supported on CUDA yet (Gemma 3 captures run with --device cpu)"
+    ))
 }
 
 #[cfg(feature = "cuda")]

@@ -29,6 +29,19 @@ pub fn model() -> Option<PathBuf> {
     )
 }
 
+/// Gemma 3 270M (GGUF Q4_K_M), fetched by `scripts/fetch-model.sh gemma3`;
+/// `KVREPLAY_GEMMA3_MODEL` names another path.
+pub fn gemma3_model() -> Option<PathBuf> {
+    let p = std::env::var_os("KVREPLAY_GEMMA3_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(ROOT).join("models/gemma-3-270m-Q4_K_M.gguf"));
+    require(
+        "the Gemma 3 model",
+        p,
+        "run scripts/fetch-model.sh gemma3 (or scripts/test.sh)",
+    )
+}
+
 pub fn python() -> Option<PathBuf> {
     let p = std::env::var_os("KVREPLAY_PYTHON")
         .map(PathBuf::from)

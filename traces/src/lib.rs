@@ -18,8 +18,8 @@ mod writer;
 
 pub use error::TraceError;
 pub use manifest::{
-    CaptureInfo, Dtype, FileEntry, Generation, Manifest, ModelInfo, Rope, RopeScaling, RopeStyle,
-    SourceFile, Span, Tokens, FORMAT_NAME, FORMAT_VERSION,
+    CaptureInfo, Dtype, FileEntry, Generation, LayerAttention, Manifest, ModelInfo, Rope,
+    RopeScaling, RopeStyle, SourceFile, Span, Tokens, FORMAT_NAME, FORMAT_VERSION,
 };
 pub use reader::{parse_layer_header, HeadView, LayerView, Reads, TensorIndex, Trace};
 pub use verify::{verify, VerifyOptions, VerifyReport};

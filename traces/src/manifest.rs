@@ -7,9 +7,13 @@ use crate::TraceError;
 
 /// Value of the manifest's `format` field.
 pub const FORMAT_NAME: &str = "kvreplay-trace";
-/// The newest format version this build reads. A trace is written with the
+/// The newest format version this build reads. Version 2 added lean traces
+/// (`capture.keep_queries`) and `model.layers` (per-layer attention window
+/// and RoPE base); version-1 manifests read with neither (full traces, every
+/// layer full attention with `model.rope`). A trace is written with the
 /// lowest version that describes it (see [`Manifest::needed_version`]), so a
-/// full trace stays readable by releases that know only version 1.
+/// full trace of a llama-style model stays readable by releases that know
+/// only version 1.
 pub const FORMAT_VERSION: u32 = 2;
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -46,6 +50,35 @@ pub struct ModelInfo {
     pub attn_scale: f64,
     pub rope: Rope,
     pub source: SourceFile,
+    /// Per layer, when the layers differ (Gemma 3: sliding-window layers
+    /// with their own RoPE base); empty means every layer is full attention
+    /// with `rope` (llama, and every version-1 trace).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<LayerAttention>,
+}
+
+/// One layer's attention: its key window and RoPE base.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct LayerAttention {
+    /// `Some(W)`: sliding window; the query at position t attends to keys
+    /// `max(0, t - W + 1) ..= t` (W keys counting itself). `None`: full
+    /// causal attention.
+    pub window: Option<usize>,
+    /// This layer's RoPE base (the other RoPE parameters are `model.rope`'s;
+    /// a layer with a base other than `rope.theta` is unscaled).
+    pub rope_theta: f64,
+}
+
+impl ModelInfo {
+    /// The sliding window of `layer` (None: full attention).
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.layers.get(layer).and_then(|l| l.window)
+    }
+
+    /// Whether any layer attends through a sliding window.
+    pub fn has_sliding_layers(&self) -> bool {
+        self.layers.iter().any(|l| l.window.is_some())
+    }
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -216,9 +249,13 @@ impl Manifest {
     }
 
     /// The lowest format version that describes this trace: 2 for a lean
-    /// trace, else 1.
+    /// trace or one whose layers differ (`model.layers`), else 1.
     pub fn needed_version(&self) -> u32 {
-        self.layout().format_version()
+        if self.model.layers.is_empty() {
+            self.layout().format_version()
+        } else {
+            2
+        }
     }
 
     /// Read and check `dir/manifest.json`: format name and version first (so
@@ -345,6 +382,21 @@ impl Manifest {
                 m.rope.rotated_dims, m.head_dim
             ));
         }
+        if !m.layers.is_empty() && m.layers.len() != m.n_layers {
+            return Err(format!(
+                "model.layers: {} entries for {} layers",
+                m.layers.len(),
+                m.n_layers
+            ));
+        }
+        for (l, la) in m.layers.iter().enumerate() {
+            if la.window == Some(0) {
+                return Err(format!(
+                    "model.layers[{l}]: window 0 (a window holds at least one key)"
+                ));
+            }
+            positive(&format!("layers[{l}].rope_theta"), la.rope_theta, 1e12)?;
+        }
         let t = &self.tokens;
         if t.text.len() != t.ids.len() {
             return Err(format!(
@@ -388,7 +440,7 @@ impl Manifest {
         }
         if (self.format_version as u64) < self.needed_version() as u64 {
             return Err(format!(
-                "format_version {} cannot describe this trace: capture.keep_queries ({:?}) needs version {}",
+                "format_version {} cannot describe this trace: a lean trace (capture.keep_queries {:?}) or per-layer attention (model.layers) needs version {}",
                 self.format_version,
                 self.capture.keep_queries,
                 self.needed_version()

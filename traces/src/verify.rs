@@ -70,6 +70,8 @@ pub fn verify(dir: &Path, opts: &VerifyOptions) -> Result<VerifyReport, TraceErr
     let (mut q, mut o) = (vec![0f32; d], vec![0f32; d]);
     for l in 0..trace.n_layers() {
         let layer = trace.layer(l);
+        // Sliding-window layers: the query at t sees keys t-W+1 ..= t.
+        let window = m.model.window(l);
         let ks: Vec<Vec<f32>> = (0..m.model.n_kv_heads)
             .map(|g| layer.k(g).to_f32())
             .collect();
@@ -81,7 +83,8 @@ pub fn verify(dir: &Path, opts: &VerifyOptions) -> Result<VerifyReport, TraceErr
             for &t in &positions {
                 layer.q(h).row_into(t, &mut q);
                 layer.o(h).row_into(t, &mut o);
-                let got = naive_attention_row(&q, &ks[g], &vs[g], t + 1, d, scale);
+                let lo = window.map_or(0, |w| (t + 1).saturating_sub(w));
+                let got = naive_attention_row(&q, &ks[g], &vs[g], lo, t + 1, d, scale);
                 let err = rel_l2(&got, &o);
                 max_rel_err = max_rel_err.max(err);
                 if err > tol || !err.is_finite() {
@@ -119,16 +122,17 @@ fn sample_positions(t: usize, prompt_len: usize, n: usize) -> Vec<usize> {
     v
 }
 
-/// softmax(scale * q·k_j, j < n) · v in f64: deliberately the plainest form.
+/// softmax(scale * q·k_j, lo <= j < n) · v in f64: deliberately the plainest form.
 fn naive_attention_row(
     q: &[f32],
     k: &[f32],
     v: &[f32],
+    lo: usize,
     n: usize,
     d: usize,
     scale: f64,
 ) -> Vec<f64> {
-    let logits: Vec<f64> = (0..n)
+    let logits: Vec<f64> = (lo..n)
         .map(|j| {
             let kj = &k[j * d..(j + 1) * d];
             scale
@@ -142,7 +146,7 @@ fn naive_attention_row(
     let w: Vec<f64> = logits.iter().map(|x| (x - mx).exp()).collect();
     let z: f64 = w.iter().sum();
     let mut out = vec![0f64; d];
-    for (j, wj) in w.iter().enumerate() {
+    for (j, wj) in (lo..n).zip(&w) {
         for (o, x) in out.iter_mut().zip(&v[j * d..(j + 1) * d]) {
             *o += wj / z * *x as f64;
         }
@@ -159,6 +163,17 @@ fn rel_l2(a: &[f64], b: &[f32]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[test]
+    fn window_drops_the_keys_before_it() {
+        // d = 1, keys 0..3 with v = [100, 1, 2]; window 2 at t = 2 sees keys
+        // 1 and 2 only, equal logits (q·k = 0): o = (1 + 2) / 2.
+        let (q, k, v) = ([1.0f32], [0.0f32; 3], [100.0f32, 1.0, 2.0]);
+        let o = naive_attention_row(&q, &k, &v, 1, 3, 1, 1.0);
+        assert_eq!(o, vec![1.5]);
+        let o = naive_attention_row(&q, &k, &v, 0, 3, 1, 1.0);
+        assert!((o[0] - 103.0 / 3.0).abs() < 1e-12);
+    }
+
     #[test]
     fn sample_positions_cover_ends() {
         assert_eq!(sample_positions(10, 4, 3), vec![0, 3, 4, 9]);

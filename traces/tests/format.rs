@@ -49,6 +49,7 @@ fn manifest(l: &TraceLayout) -> Manifest {
                 sha256: "0".repeat(64),
                 size: 0,
             },
+            layers: Vec::new(),
         },
         tokens: Tokens {
             ids: (0..l.total_len as u32).collect(),
@@ -625,4 +626,48 @@ fn a_manifest_whose_decode_count_overflows_is_refused() {
         e.contains("t/manifest.json") && e.contains("generation.n_decode 18446744073709551615"),
         "{e}"
     );
+}
+
+#[test]
+fn version_1_traces_still_read_and_verify() {
+    // replay/tests/golden/tiny.kvtrace was written by format version 1
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("../replay/tests/golden/tiny.kvtrace");
+    let m = Manifest::read(&golden).unwrap();
+    assert_eq!(m.format_version, 1);
+    assert!(m.model.layers.is_empty() && !m.model.has_sliding_layers());
+    assert_eq!(m.model.window(0), None);
+    kvreplay_traces::verify(&golden, &kvreplay_traces::VerifyOptions::default()).unwrap();
+}
+
+#[test]
+fn per_layer_attention_round_trips_and_is_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = write_trace(tmp.path(), Dtype::F32);
+    let p = out.join("manifest.json");
+    let mut m = Manifest::read(&out).unwrap();
+    assert!(!std::fs::read_to_string(&p).unwrap().contains("\"layers\""));
+    let n = m.model.n_layers;
+    // per-layer attention needs version 2; a version-1 label is refused
+    m.format_version = 2;
+    m.model.layers = (0..n)
+        .map(|l| LayerAttention {
+            window: (l + 1 < n).then_some(3),
+            rope_theta: 1e4,
+        })
+        .collect();
+    let text = serde_json::to_string_pretty(&m).unwrap();
+    let back = Manifest::parse(&p, &text).unwrap();
+    assert_eq!(back, m);
+    assert!(back.model.has_sliding_layers());
+    assert_eq!(back.model.window(0), Some(3));
+    let mut v1 = m.clone();
+    v1.format_version = 1;
+    let e = Manifest::parse(&p, &serde_json::to_string_pretty(&v1).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("model.layers") && e.contains("needs version 2"), "{e}");
+    m.model.layers.pop();
+    let text = serde_json::to_string_pretty(&m).unwrap();
+    let e = Manifest::parse(&p, &text).unwrap_err().to_string();
+    assert!(e.contains("model.layers"), "{e}");
 }

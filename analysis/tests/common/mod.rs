@@ -40,6 +40,7 @@ pub fn synthetic_manifest(
                 sha256: String::new(),
                 size: 0,
             },
+            layers: Vec::new(),
         },
         tokens: Tokens {
             ids: vec![0; t],

@@ -28,8 +28,30 @@ pub fn causal_attention_head(
     pos0: usize,
     scale: f32,
     out: &mut [f32],
+    stats: AttentionStats<'_>,
+) {
+    windowed_attention_head(q, k, v, d, pos0, None, scale, out, stats)
+}
+
+/// [`causal_attention_head`] with an optional sliding window of `W` keys: the
+/// query at position t attends to keys `max(0, t - W + 1) ..= t` (W keys
+/// counting itself, W - 1 before it), as HF transformers' sliding-window mask
+/// (`kv_idx > q_idx - W`) and llama.cpp (`q - k >= W` masked) define it.
+/// Masked keys get probability exactly 0. With `None` (or W >= t + 1) the
+/// computation is the plain causal one, operation for operation.
+#[allow(clippy::too_many_arguments)]
+pub fn windowed_attention_head(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    d: usize,
+    pos0: usize,
+    window: Option<usize>,
+    scale: f32,
+    out: &mut [f32],
     mut stats: AttentionStats<'_>,
 ) {
+    assert!(window != Some(0), "attention: a window of 0 keys");
     let c = q.len() / d;
     let n = pos0 + c;
     assert_eq!(q.len(), c * d, "attention: q is not (c, d)");
@@ -43,7 +65,10 @@ pub fn causal_attention_head(
     matmul_strided(q, d, &k[..n * d], d, true, &mut p, n, c, d, n);
     for (i, row) in p.chunks_exact_mut(n).enumerate() {
         let valid = pos0 + i + 1;
-        let (live, masked) = row.split_at_mut(valid);
+        let lo = window.map_or(0, |w| valid.saturating_sub(w));
+        let (row, masked) = row.split_at_mut(valid);
+        let (before, live) = row.split_at_mut(lo);
+        before.fill(0.0);
         let mx = live.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x)) * scale;
         let mut z = 0f64;
         for x in live.iter_mut() {
@@ -131,6 +156,82 @@ mod tests {
             let s: f32 = (0..c).map(|i| probs[i * n + j]).sum();
             assert!((colsum[j] - s).abs() < 1e-6);
         }
+    }
+
+    #[test]
+    fn window_keeps_the_last_w_keys_counting_the_query() {
+        // Window 3 at positions 0..6: the query at t sees keys t-2, t-1, t.
+        let (d, pos0, c, w) = (4, 2, 4, 3);
+        let n = pos0 + c;
+        let (q, k, v) = (data(c * d, 0.4), data(n * d, 0.5), data(n * d, 0.6));
+        let mut out = vec![0f32; c * d];
+        let mut probs = vec![0f32; c * n];
+        let stats = AttentionStats {
+            colsum: None,
+            probs: Some(&mut probs),
+        };
+        windowed_attention_head(&q, &k, &v, d, pos0, Some(w), 1.0, &mut out, stats);
+        for i in 0..c {
+            let t = pos0 + i;
+            let row = &probs[i * n..(i + 1) * n];
+            for (j, p) in row.iter().enumerate() {
+                let live = j <= t && j + w > t;
+                assert_eq!(*p > 0.0, live, "query {t} key {j}: {p}");
+            }
+            // Hand-computed: the output equals full causal attention over the
+            // window's keys alone (positions t-2..=t as a 3-key sequence).
+            let lo = t + 1 - w;
+            let mut o1 = vec![0f32; d];
+            causal_attention_head(
+                &q[i * d..(i + 1) * d],
+                &k[lo * d..(t + 1) * d],
+                &v[lo * d..(t + 1) * d],
+                d,
+                w - 1,
+                1.0,
+                &mut o1,
+                AttentionStats::default(),
+            );
+            for (a, b) in out[i * d..(i + 1) * d].iter().zip(&o1) {
+                assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+            }
+        }
+        // Two keys, window 1: each query attends to itself only.
+        let (q, k, v) = (data(2 * d, 1.0), data(2 * d, 2.0), data(2 * d, 3.0));
+        let mut out = vec![0f32; 2 * d];
+        windowed_attention_head(
+            &q,
+            &k,
+            &v,
+            d,
+            0,
+            Some(1),
+            1.0,
+            &mut out,
+            AttentionStats::default(),
+        );
+        assert_eq!(out, v);
+    }
+
+    #[test]
+    fn a_window_wider_than_the_sequence_is_plain_causal_attention() {
+        let (d, pos0, c) = (8, 3, 5);
+        let n = pos0 + c;
+        let (q, k, v) = (data(c * d, 0.7), data(n * d, 0.8), data(n * d, 0.9));
+        let (mut a, mut b) = (vec![0f32; c * d], vec![0f32; c * d]);
+        causal_attention_head(&q, &k, &v, d, pos0, 0.3, &mut a, AttentionStats::default());
+        windowed_attention_head(
+            &q,
+            &k,
+            &v,
+            d,
+            pos0,
+            Some(n),
+            0.3,
+            &mut b,
+            AttentionStats::default(),
+        );
+        assert_eq!(a, b);
     }
 
     #[test]

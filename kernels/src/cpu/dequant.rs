@@ -5,6 +5,8 @@
 //! - Q8_0 (34 B / 32): f16 d; i8 q[32];            x = d*q
 //! - Q4_0 (18 B / 32): f16 d; u8 qs[16];           x[i] = d*((qs[i]&15)-8), x[i+16] = d*((qs[i]>>4)-8)
 //! - Q4_1 (20 B / 32): f16 d, m; u8 qs[16];        x[i] = d*(qs[i]&15)+m,   x[i+16] = d*(qs[i]>>4)+m
+//! - Q5_0 (22 B / 32): f16 d; u32 qh (LE); u8 qs[16];
+//!   x[i] = d*(((qs[i]&15) | bit i of qh << 4) - 16), x[i+16] = d*(((qs[i]>>4) | bit i+16 of qh << 4) - 16)
 //! - Q4_K (144 B / 256): f16 d, dmin; u8 scales[12] (8 x 6-bit scale/min pairs); u8 qs[128]
 //! - Q5_K (176 B / 256): as Q4_K plus u8 qh[32] (the fifth bit), before qs
 //! - Q6_K (210 B / 256): u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d
@@ -23,6 +25,7 @@ pub enum BlockType {
     BF16,
     Q4_0,
     Q4_1,
+    Q5_0,
     Q8_0,
     Q4_K,
     Q5_K,
@@ -37,6 +40,7 @@ impl BlockType {
             1 => BlockType::F16,
             2 => BlockType::Q4_0,
             3 => BlockType::Q4_1,
+            6 => BlockType::Q5_0,
             8 => BlockType::Q8_0,
             12 => BlockType::Q4_K,
             13 => BlockType::Q5_K,
@@ -79,7 +83,7 @@ impl BlockType {
     pub fn block_elems(self) -> usize {
         match self {
             BlockType::F32 | BlockType::F16 | BlockType::BF16 => 1,
-            BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0 => 32,
+            BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q5_0 | BlockType::Q8_0 => 32,
             BlockType::Q4_K | BlockType::Q5_K | BlockType::Q6_K => 256,
         }
     }
@@ -91,6 +95,7 @@ impl BlockType {
             BlockType::F16 | BlockType::BF16 => 2,
             BlockType::Q4_0 => 18,
             BlockType::Q4_1 => 20,
+            BlockType::Q5_0 => 22,
             BlockType::Q8_0 => 34,
             BlockType::Q4_K => 144,
             BlockType::Q5_K => 176,
@@ -162,6 +167,17 @@ fn dequant_block(ty: BlockType, b: &[u8], y: &mut [f32]) {
                 let q = b[4 + i];
                 y[i] = d * (q & 15) as f32 + m;
                 y[i + 16] = d * (q >> 4) as f32 + m;
+            }
+        }
+        BlockType::Q5_0 => {
+            let d = f16_at(b, 0);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            for i in 0..16 {
+                let q = b[6 + i];
+                let h0 = ((qh >> i) & 1) << 4;
+                let h1 = ((qh >> (i + 16)) & 1) << 4;
+                y[i] = d * (((q & 15) as u32 | h0) as i32 - 16) as f32;
+                y[i + 16] = d * (((q >> 4) as u32 | h1) as i32 - 16) as f32;
             }
         }
         BlockType::Q4_K => {
@@ -288,6 +304,19 @@ mod tests {
             assert_eq!(y[i], 2.0 * (i as f32 - 8.0));
             assert_eq!(y[i + 16], 2.0 * (7.0 - i as f32));
         }
+    }
+
+    #[test]
+    fn q5_0_block_fifth_bit_from_qh() {
+        // d = 0.5; qs[i] = 0x21 (low nibble 1, high 2); qh: bit 0 and bit 17 set
+        let mut b = h(0.5).to_vec();
+        b.extend_from_slice(&((1u32 << 0) | (1u32 << 17)).to_le_bytes());
+        b.extend_from_slice(&[0x21; 16]);
+        let y = deq(BlockType::Q5_0, &b);
+        assert_eq!(y[0], 0.5 * ((1 | 16) - 16) as f32); // 0.5
+        assert_eq!(y[1], 0.5 * (1 - 16) as f32); // -7.5
+        assert_eq!(y[16], 0.5 * (2 - 16) as f32); // -7
+        assert_eq!(y[17], 0.5 * ((2 | 16) - 16) as f32); // 1
     }
 
     #[test]

@@ -8,13 +8,13 @@ pub mod norm;
 pub mod rope;
 pub mod vector;
 
-pub use attention::{causal_attention_head, AttentionStats};
+pub use attention::{causal_attention_head, windowed_attention_head, AttentionStats};
 pub use decode::{
     attend_biased, attend_biased_multi, attention_rows, dot, dot_rows, softmax_in_place,
 };
 pub use dequant::{dequantize, BlockType};
 pub use linear::linear;
-pub use norm::{argmax, embedding, rms_norm, silu_mul};
+pub use norm::{argmax, embedding, gelu_tanh_mul, rms_norm, scale, silu_mul};
 pub use rope::{
     apply_rope, rope_table, rotate_with_table, unapply_rope, RopeCache, RopeParams, RopeStyle,
 };

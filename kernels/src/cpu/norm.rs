@@ -22,6 +22,24 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// GeGLU with the tanh approximation of GELU (HF `gelu_pytorch_tanh`, ggml
+/// `gelu`): gate[i] = gelu(gate[i]) * up[i], in place on `gate`, where
+/// gelu(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x³))), in f32.
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len());
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6; // sqrt(2 / pi)
+    for (g, u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        let inner = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+        *g = 0.5 * x * (1.0 + inner.tanh()) * u;
+    }
+}
+
+/// x[i] *= s, in place.
+pub fn scale(x: &mut [f32], s: f32) {
+    x.iter_mut().for_each(|v| *v *= s);
+}
+
 /// Embedding lookup: row r of `out` (ids.len(), dim) is row `ids[r]` of
 /// `table` (vocab, dim).
 pub fn embedding(table: &[f32], dim: usize, ids: &[u32], out: &mut [f32]) {
@@ -71,6 +89,25 @@ mod tests {
         silu_mul(&mut g, &[5.0, 3.0]);
         assert_eq!(g[0], 0.0);
         assert!((g[1] - 3.0 * 2.0 / (1.0 + (-2.0f32).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn gelu_tanh_known_values() {
+        // gelu(0) = 0; gelu(1) = 0.5 (1 + tanh(0.7978846 * 1.044715)) = 0.841192;
+        // gelu(-1) = -0.158808; gelu(3) = 0.5*3*(1 + tanh(0.7978846 * 4.206305)) = 2.996363
+        let mut g = vec![0.0, 1.0, -1.0, 3.0];
+        gelu_tanh_mul(&mut g, &[7.0, 1.0, 1.0, 2.0]);
+        assert_eq!(g[0], 0.0);
+        assert!((g[1] - 0.841_192).abs() < 1e-5, "{}", g[1]);
+        assert!((g[2] + 0.158_808).abs() < 1e-5, "{}", g[2]);
+        assert!((g[3] - 2.0 * 2.996_363).abs() < 1e-5, "{}", g[3]);
+    }
+
+    #[test]
+    fn scale_multiplies() {
+        let mut x = vec![1.0, -2.0];
+        scale(&mut x, 0.5);
+        assert_eq!(x, vec![0.5, -1.0]);
     }
 
     #[test]

@@ -197,6 +197,7 @@ pub fn write_trace(dir: &Path, layers: &[LayerData]) -> PathBuf {
                 sha256: String::new(),
                 size: 0,
             },
+            layers: Vec::new(),
         },
         tokens: Tokens {
             ids: vec![0; t],

@@ -1,0 +1,164 @@
+//! Gemma 3 270M (GGUF Q4_K_M) through the `kvreplay` binary: the capture
+//! matches an independent f32 implementation (scripts/reference_gemma3.py,
+//! with the `sentencepiece` package as the tokenizer). Skips with a printed
+//! reason when the model is absent; fails instead under
+//! KVREPLAY_REQUIRE_MODEL=1 (scripts/test.sh fetches it).
+
+use std::path::Path;
+use std::process::Command;
+
+mod common;
+
+use common::{gemma3_model, kvreplay, python, text, ROOT};
+
+/// A prompt longer than Gemma 3's 512-token window, so that the sliding
+/// layers' mask cuts keys off: numbered sentences (no two alike), with a pass
+/// key early on, asked for at the end.
+fn long_prompt() -> String {
+    let subjects = [
+        "The river",
+        "A small bird",
+        "The old clock",
+        "Every lantern",
+        "The baker's cat",
+    ];
+    let verbs = ["watched", "followed", "remembered", "counted", "ignored"];
+    let objects = [
+        "the northern hills",
+        "seven red boats",
+        "a quiet market",
+        "the winter stars",
+        "an open window",
+    ];
+    let mut s = String::from("Remember this: the pass key is 40213. ");
+    for i in 0..32 {
+        s.push_str(&format!(
+            "Sentence {i}: {} {} {} near house {}. ",
+            subjects[i % 5],
+            verbs[(i / 5) % 5],
+            objects[(i * 3) % 5],
+            100 + 7 * i
+        ));
+    }
+    s.push_str("What is the pass key? The pass key is");
+    s
+}
+
+#[test]
+fn gemma3_capture_matches_independent_reference() {
+    let (Some(model), Some(python)) = (gemma3_model(), python()) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let prompt = tmp.path().join("prompt.txt");
+    std::fs::write(&prompt, long_prompt()).unwrap();
+    let out = tmp.path().join("g.kvtrace");
+    let m = model.to_str().unwrap();
+    let o = kvreplay(&[
+        "capture",
+        "--model",
+        m,
+        "--device",
+        "cpu",
+        "--prompt-file",
+        prompt.to_str().unwrap(),
+        "--decode",
+        "8",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "capture failed:\n{}", text(&o));
+    println!("{}", text(&o));
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    let p = manifest["tokens"]["prompt_len"].as_u64().unwrap();
+    assert!(
+        p > 512,
+        "the prompt is {p} tokens, not longer than the window"
+    );
+    let layers = manifest["model"]["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 18);
+    for (l, la) in layers.iter().enumerate() {
+        if l % 6 == 5 {
+            assert!(la["window"].is_null(), "layer {l}: {la}");
+            assert_eq!(la["rope_theta"], 1e6, "layer {l}");
+        } else {
+            assert_eq!(la["window"], 512, "layer {l}");
+            assert_eq!(la["rope_theta"], 1e4, "layer {l}");
+        }
+    }
+    // verify recomputes o with each layer's window
+    let o = kvreplay(&["verify", out.to_str().unwrap()]);
+    assert!(o.status.success(), "verify failed:\n{}", text(&o));
+    println!("{}", text(&o));
+    // replay refuses sliding-window layers rather than computing them wrong
+    let r = tmp.path().join("r");
+    let o = kvreplay(&[
+        "replay",
+        "--trace",
+        out.to_str().unwrap(),
+        "--policy",
+        "snapkv",
+        "--budget",
+        "64",
+        "--out",
+        r.to_str().unwrap(),
+    ]);
+    assert!(
+        !o.status.success()
+            && text(&o).contains("replay of sliding-window layers lands in issue 14"),
+        "{}",
+        text(&o)
+    );
+    let o = Command::new(python)
+        .arg(Path::new(ROOT).join("scripts/reference_gemma3.py"))
+        .args([
+            "--model",
+            m,
+            "--trace",
+            out.to_str().unwrap(),
+            "--prompt-file",
+            prompt.to_str().unwrap(),
+            "--tol",
+            "0.01",
+        ])
+        .output()
+        .unwrap();
+    println!("{}", text(&o));
+    assert!(
+        o.status.success(),
+        "the trace does not match the reference:\n{}",
+        text(&o)
+    );
+    assert!(text(&o).contains("trace matches"));
+}
+
+#[test]
+fn gemma3_tokenizer_known_answer() {
+    let Some(model) = gemma3_model() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("t.kvtrace");
+    let o = kvreplay(&[
+        "capture",
+        "--model",
+        model.to_str().unwrap(),
+        "--device",
+        "cpu",
+        "--prompt",
+        "The capital of France is",
+        "--decode",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    let ids: Vec<u64> = manifest["tokens"]["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(&ids[..6], &[2, 818, 5279, 529, 7001, 563]);
+}
