@@ -136,6 +136,43 @@ pub fn rope_params(r: &kvreplay_traces::Rope) -> kvreplay_kernels::cpu::RopePara
     }
 }
 
+/// Layer `l`'s RoPE: the model's, with the layer's own base where the
+/// manifest gives one (a layer with another base is unscaled, as in Gemma 3's
+/// sliding layers).
+pub fn layer_rope(m: &kvreplay_traces::ModelInfo, l: usize) -> kvreplay_kernels::cpu::RopeParams {
+    let mut r = rope_params(&m.rope);
+    if let Some(la) = m.layers.get(l) {
+        if la.rope_theta != m.rope.theta {
+            r.theta = la.rope_theta;
+            r.linear_factor = 1.0;
+        }
+    }
+    r
+}
+
+/// Whether entry `e` of `cache` is visible to the query at `pos` through a
+/// window of `w`: its newest member lies in pos − w + 1 ..= pos.
+fn in_window(cache: &HeadCache, e: usize, pos: usize, w: Option<usize>) -> bool {
+    match w {
+        None => true,
+        Some(w) => cache.members[e]
+            .iter()
+            .max()
+            .is_some_and(|&m| m as usize + w > pos),
+    }
+}
+
+/// Bytes, and retained positions, of the entries of `cache` visible at the
+/// last position `last` (all of them without a window): what a sliding layer
+/// holds, its older entries having been dropped.
+fn visible_bytes(cache: &HeadCache, last: usize, w: Option<usize>) -> u64 {
+    (0..cache.len())
+        .filter(|&e| in_window(cache, e, last, w))
+        .map(|e| cache.bits[e])
+        .sum::<u64>()
+        .div_ceil(8)
+}
+
 /// Every layer's (n_heads, P) column sums.
 pub fn prompt_colsums(trace: &Trace) -> Arc<Vec<Vec<f32>>> {
     let nh = trace.manifest.model.n_heads;
@@ -185,8 +222,9 @@ pub fn load_layer_shared(trace: &Trace, l: usize, all_colsum: &Arc<Vec<Vec<f32>>
         k: cat(m.model.n_kv_heads, |h| view.k(h)),
         v: cat(m.model.n_kv_heads, |h| view.v(h)),
         colsum: all_colsum[l].clone(),
+        window: m.model.window(l),
         all_colsum: Some(all_colsum.clone()),
-        rope: Some(rope_params(&m.model.rope)),
+        rope: Some(layer_rope(&m.model, l)),
         memo: None,
         backend: Backend::Cpu,
     }
@@ -323,11 +361,20 @@ fn attend_heads(
         .flat_map(|h| data.q_row(h, pos).iter().copied())
         .collect();
     let (mut w, mut z, mut out) = (vec![0f64; nq * n], vec![0f64; nq], vec![0f32; nq * d]);
+    // a sliding layer: entries older than the window get no weight
+    let masked: Option<Vec<f32>> = data.window.map(|_| {
+        (0..n)
+            .map(|e| match in_window(cache, e, pos, data.window) {
+                true => cache.bias[e],
+                false => f32::NEG_INFINITY,
+            })
+            .collect()
+    });
     data.backend.attend_biased(
         &q,
         &cache.keys,
         &cache.values,
-        &cache.bias,
+        masked.as_deref().unwrap_or(&cache.bias),
         data.scale,
         &mut w,
         &mut z,
@@ -377,6 +424,21 @@ fn replay_group_refs(
     b: usize,
 ) -> Result<Vec<LayerResult>, ReplayError> {
     let (p, t) = (datas[0].prompt_len, datas[0].total_len);
+    // sliding-window layers keep their window uncompressed unless the policy
+    // says otherwise (`+sliding`); a group must be all one or all the other
+    let sliding = datas.iter().filter(|d| d.window.is_some()).count();
+    let keep_window = sliding > 0 && !policy.compress_sliding();
+    if keep_window && sliding < datas.len() {
+        return Err(ReplayError::Contract {
+            policy: policy.name(),
+            msg: format!(
+                "it replays layers {:?} together, mixing sliding-window and full-attention layers; compose it with +sliding to compress the sliding layers too",
+                datas.iter().map(|d| d.layer).collect::<Vec<_>>()
+            ),
+        });
+    }
+    let full = crate::policies::full::Full;
+    let policy: &dyn Policy = if keep_window { &full } else { policy };
     let mut session = Session::prefill(policy, datas, b)?;
     // The full-cache reference of every decode step: independent of the policy
     // and the budget, so computed once per trace and layer in a sweep.
@@ -433,12 +495,15 @@ fn replay_group_refs(
                     cosine: sums[h][1] / steps,
                     attn_mass: sums[h][2] / steps,
                     kl: sums[h][3] / steps,
-                    bytes: caches[cache_of[i][h]].bytes(),
+                    bytes: visible_bytes(&caches[cache_of[i][h]], t - 1, data.window),
                 })
                 .collect();
             let mut retained = Vec::new();
             for (g, c) in caches.iter().enumerate() {
                 for (e, m) in c.members.iter().enumerate() {
+                    if !in_window(c, e, t - 1, data.window) {
+                        continue;
+                    }
                     for &pos in m.iter().filter(|&&x| (x as usize) < p) {
                         retained.push(Retained {
                             layer: data.layer,
@@ -452,8 +517,15 @@ fn replay_group_refs(
             LayerResult {
                 metrics,
                 retained,
-                bytes: caches.iter().map(|c| c.bytes()).sum(),
-                full_bytes: data.n_kv_heads as u64 * t as u64 * HeadCache::exact_bits(data.d) / 8,
+                bytes: caches
+                    .iter()
+                    .map(|c| visible_bytes(c, t - 1, data.window))
+                    .sum(),
+                // the uncompressed cache: T entries, or W on a sliding layer
+                full_bytes: data.n_kv_heads as u64
+                    * data.window.map_or(t, |w| w.min(t)) as u64
+                    * HeadCache::exact_bits(data.d)
+                    / 8,
             }
         })
         .collect())
@@ -488,7 +560,6 @@ impl<'t> TraceReplay<'t> {
                 msg: "has no decode tokens, so there are no decode queries to replay; capture it with --decode N (N >= 1)".into(),
             });
         }
-        refuse_sliding_layers(trace)?;
         Ok(TraceReplay {
             trace,
             backend: backend.clone(),
@@ -578,29 +649,6 @@ impl<'t> TraceReplay<'t> {
             layers: layers.into_iter().map(|x| x.1).collect(),
         })
     }
-}
-
-/// The reference attention here is full causal attention on every layer;
-/// a trace with sliding-window layers (Gemma 3) would be replayed wrong on
-/// them, so it is refused until the replay side learns windows.
-pub fn refuse_sliding_layers(trace: &Trace) -> Result<(), ReplayError> {
-    let m = &trace.manifest.model;
-    if m.has_sliding_layers() {
-        let sliding: Vec<String> = (0..m.n_layers)
-            .filter(|&l| m.window(l).is_some())
-            .map(|l| l.to_string())
-            .collect();
-        return Err(ReplayError::TraceLacks {
-            path: trace.dir().display().to_string(),
-            msg: format!(
-                "has sliding-window layers ({} of {}: {}); replay of sliding-window layers lands in issue 14's replay part",
-                sliding.len(),
-                m.n_layers,
-                sliding.join(", ")
-            ),
-        });
-    }
-    Ok(())
 }
 
 /// Replay `policy` on every layer of `trace` on the CPU, from a cold start

@@ -35,6 +35,10 @@ pub struct LayerData {
     pub v: Vec<f32>,
     /// (n_heads, P) attention each prompt key received from all prompt queries
     pub colsum: Vec<f32>,
+    /// `Some(W)`: a sliding-window layer (Gemma 3): the query at position t
+    /// attends to the entries whose newest member lies in t − W + 1 ..= t.
+    /// None: full causal attention.
+    pub window: Option<usize>,
     /// Per layer of the trace, its (n_heads, P) column sums: prompt statistics a
     /// live model also has at the end of prefill (for cross-layer budgets).
     /// None when a layer is replayed on its own.
@@ -311,6 +315,13 @@ pub trait Policy: Send + Sync {
     /// reads fewer says so).
     fn prompt_queries(&self, prompt_len: usize, _budget: usize) -> usize {
         prompt_len
+    }
+
+    /// Whether the policy also compresses sliding-window layers (the
+    /// `+sliding` wrapper). By default a sliding layer keeps its window
+    /// uncompressed: its cache is already bounded by W.
+    fn compress_sliding(&self) -> bool {
+        false
     }
 
     /// Layers replayed together, for a budget of `budget` entries on a

@@ -278,3 +278,90 @@ fn random_keeps_the_first_b_of_a_seeded_permutation() {
     );
     assert_eq!(kept("random", &data, 10), vec![(0..10).collect::<Vec<_>>()]);
 }
+
+/// Sliding-window layers (docs/methods/sliding.md) on a hand-built layer:
+/// 2 query heads over 1 KV head, d = 4, 6 prompt + 2 decode positions,
+/// window W = 3. By default the layer keeps its window uncompressed (zero
+/// error; memory and retention count the W entries visible at the last
+/// position); `knorm+sliding` compresses it, and each decode query then
+/// attends only to the kept entries inside its window. Both checked against
+/// a straightforward windowed attention written here.
+#[test]
+fn sliding_layers_keep_their_window_unless_the_policy_says_sliding() {
+    use kvreplay_replay::engine::replay_layer;
+    let mut data = random_layer(11, 2, 1, 4, 6, 8);
+    data.window = Some(3);
+    let (w, p, t, d) = (3usize, 6usize, 8usize, 4usize);
+    let entry_bytes = (2 * d * 16 / 8) as u64; // f16 key and value
+                                               // o of head h at step pos over `visible` positions, in f64
+    let attend = |h: usize, pos: usize, visible: &[usize]| -> Vec<f64> {
+        let q = data.q_row(h, pos);
+        let logits: Vec<f64> = visible
+            .iter()
+            .map(|&j| {
+                let k = data.k_row(0, j);
+                q.iter()
+                    .zip(k)
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>()
+                    * data.scale as f64
+            })
+            .collect();
+        let mx = logits.iter().cloned().fold(f64::MIN, f64::max);
+        let z: f64 = logits.iter().map(|x| (x - mx).exp()).sum();
+        let mut o = vec![0f64; d];
+        for (&j, x) in visible.iter().zip(&logits) {
+            for (oi, vi) in o.iter_mut().zip(data.v_row(0, j)) {
+                *oi += (x - mx).exp() / z * *vi as f64;
+            }
+        }
+        o
+    };
+    let window = |pos: usize| -> Vec<usize> { (pos + 1 - w..=pos).collect() };
+
+    // default: uncompressed window, zero error, W entries of memory
+    let knorm = PolicySpec::parse("knorm").unwrap().build().unwrap();
+    let r = replay_layer(&data, knorm.as_ref(), 2).unwrap();
+    for m in &r.metrics {
+        assert_eq!(
+            (m.rel_l2, m.kl, m.attn_mass),
+            (0.0, 0.0, 1.0),
+            "head {}",
+            m.head
+        );
+    }
+    assert_eq!(r.bytes, w as u64 * entry_bytes);
+    assert_eq!(r.full_bytes, w as u64 * entry_bytes);
+    // at the last position (7) the window holds 5, 6, 7: prompt position 5 only
+    let kept_positions: Vec<usize> = r.retained.iter().map(|x| x.position).collect();
+    assert_eq!(kept_positions, [5]);
+
+    // knorm+sliding: knorm keeps 2 prompt entries; queries see them only in the window
+    let k2 = kept("knorm", &data, 2)[0].clone();
+    let wrapped = PolicySpec::parse("knorm+sliding").unwrap().build().unwrap();
+    let r = replay_layer(&data, wrapped.as_ref(), 2).unwrap();
+    for h in 0..2 {
+        let mut err = 0.0;
+        for pos in p..t {
+            let full = attend(h, pos, &window(pos));
+            let cache: Vec<usize> = k2.iter().copied().chain(p..=pos).collect();
+            let visible: Vec<usize> = cache.into_iter().filter(|&j| j + w > pos).collect();
+            let comp = attend(h, pos, &visible);
+            let num: f64 = comp.iter().zip(&full).map(|(a, b)| (a - b).powi(2)).sum();
+            let den: f64 = full.iter().map(|x| x * x).sum();
+            err += (num / den).sqrt() / (t - p) as f64;
+        }
+        // f32 accumulation in the engine against f64 here
+        let got = r.metrics[h].rel_l2;
+        assert!(
+            (got - err).abs() < 1e-5,
+            "head {h}: engine {got}, by hand {err}"
+        );
+    }
+    let visible_at_end = k2.iter().filter(|&&j| j + w > t - 1).count() + (t - p);
+    assert_eq!(r.bytes, visible_at_end as u64 * entry_bytes);
+    // without a window the same policy would see every kept entry: a different error
+    data.window = None;
+    let plain = replay_layer(&data, wrapped.as_ref(), 2).unwrap();
+    assert_ne!(plain.metrics[0].rel_l2, r.metrics[0].rel_l2);
+}

@@ -665,7 +665,10 @@ fn per_layer_attention_round_trips_and_is_checked() {
     let e = Manifest::parse(&p, &serde_json::to_string_pretty(&v1).unwrap())
         .unwrap_err()
         .to_string();
-    assert!(e.contains("model.layers") && e.contains("needs version 2"), "{e}");
+    assert!(
+        e.contains("model.layers") && e.contains("needs version 2"),
+        "{e}"
+    );
     m.model.layers.pop();
     let text = serde_json::to_string_pretty(&m).unwrap();
     let e = Manifest::parse(&p, &text).unwrap_err().to_string();

@@ -30,6 +30,13 @@ pub struct Prefilled {
 /// Prefill `prompt` (chunks of 256) keeping q/k/v and column sums per layer.
 pub fn prefill(model: &Model, prompt: &[u32], capacity: usize) -> Result<Prefilled, ValidateError> {
     let cfg = &model.llama.cfg;
+    // the closed loop's compressed attention (attend_head) has no window yet
+    if cfg.layer_attention.iter().any(|a| a.window.is_some()) {
+        return Err(ValidateError::Input {
+            path: model.source.file_name.clone(),
+            msg: "has sliding-window layers (Gemma 3): closed-loop validation of sliding-window models is not supported yet; replay and capture are".into(),
+        });
+    }
     let (p, d, nh, nkv, nl) = (
         prompt.len(),
         cfg.head_dim,
@@ -86,12 +93,13 @@ pub fn prefill(model: &Model, prompt: &[u32], capacity: usize) -> Result<Prefill
             prompt_len: p,
             total_len: p,
             q_start: 0,
+            window: cfg.layer_attention.get(l).and_then(|a| a.window),
             q: std::mem::take(&mut q[l]),
             k: std::mem::take(&mut k[l]),
             v: std::mem::take(&mut v[l]),
             colsum: colsum[l].clone(),
             all_colsum: Some(all.clone()),
-            rope: Some(cfg.rope),
+            rope: Some(cfg.layer_attention.get(l).map_or(cfg.rope, |a| a.rope)),
             memo: None,
             backend: Backend::Cpu,
         })

@@ -23,6 +23,7 @@ pub mod pyramidkv;
 pub mod quant;
 pub mod random;
 pub mod scissorhands;
+pub mod sliding;
 pub mod snapkv;
 pub mod streaming_llm;
 pub mod tova;
@@ -46,6 +47,7 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &minicache::INFO,
     &ems::INFO,
     &quant::INFO,
+    &sliding::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {

@@ -180,6 +180,9 @@ impl Policy for Quant {
     fn prompt_queries(&self, p: usize, b: usize) -> usize {
         self.base.prompt_queries(p, b)
     }
+    fn compress_sliding(&self) -> bool {
+        self.base.compress_sliding()
+    }
     fn prefill(
         &self,
         ctx: &PrefillCtx,
