@@ -314,6 +314,25 @@ fn canonical(spec: &str) -> PyResult<String> {
     Ok(PolicySpec::parse(spec).map_err(err)?.canonical())
 }
 
+/// For a Rust program that embeds Python (the CLI built with
+/// `--features python`): start the interpreter, add the active virtual
+/// environment's packages (`$VIRTUAL_ENV`, where `pip install ./python` put
+/// `kvreplay`), and register the `py:` resolver.
+pub fn embed() -> Result<(), String> {
+    Python::initialize();
+    Python::attach(|py| -> PyResult<()> {
+        if let Ok(venv) = std::env::var("VIRTUAL_ENV") {
+            let site = py.import("site")?;
+            let v = py.version_info();
+            let dir = format!("{venv}/lib/python{}.{}/site-packages", v.major, v.minor);
+            site.call_method1("addsitedir", (dir,))?;
+        }
+        Ok(())
+    })
+    .map_err(|e| format!("starting Python: {e}"))?;
+    register_py_resolver().map_err(|e| e.to_string())
+}
+
 #[pymodule]
 fn _kvreplay(m: &Bound<'_, PyModule>) -> PyResult<()> {
     register_py_resolver().map_err(|e| PyRuntimeError::new_err(e.to_string()))?;

@@ -357,8 +357,11 @@ impl ScoreCtx {
     }
 }
 
+/// `key=value` parameters of a `py:` spec, sorted by key.
+type KeyValues = Vec<(String, String)>;
+
 /// Parse `path.py:Class[:k=v,...]`.
-fn parse_body(body: &str) -> Result<(String, String, Vec<(String, String)>), ReplayError> {
+fn parse_body(body: &str) -> Result<(String, String, KeyValues), ReplayError> {
     let bad = |msg: &str| ReplayError::BadSpec {
         spec: format!("py:{body}"),
         msg: msg.into(),

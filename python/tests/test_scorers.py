@@ -99,3 +99,19 @@ def test_spec_errors(tmp_path):
         kvreplay.canonical(f"py:{PORTS}/snapkv.py:Nope")
     with pytest.raises(kvreplay.KvReplayError, match="has changed"):
         kvreplay.canonical(f"py:{PORTS}/snapkv.py:SnapKV:sha256=00")
+
+
+def test_the_cli_runs_a_python_scorer_when_built_with_the_feature(smol_trace, kvreplay_bin, tmp_path):
+    import subprocess
+
+    spec = f"py:{PORTS}/snapkv.py:SnapKV:w=16"
+    p = subprocess.run([str(kvreplay_bin), "replay", "--trace", str(smol_trace), "--policy", spec,
+                        "--budget", "128", "--out", str(tmp_path / "py")], capture_output=True, text=True)
+    if "unknown policy `py" in p.stderr:
+        pytest.skip("the CLI was built without `--features python`")
+    assert p.returncode == 0, p.stderr
+    subprocess.run([str(kvreplay_bin), "replay", "--trace", str(smol_trace), "--policy", "snapkv:w=16",
+                    "--budget", "128", "--out", str(tmp_path / "rs")], check=True, capture_output=True)
+    assert (tmp_path / "py" / "retention.csv").read_bytes() == (tmp_path / "rs" / "retention.csv").read_bytes()
+    s = json.loads((tmp_path / "py" / "summary.json").read_text())
+    assert s["policy"] == "py:SnapKV" and "sha256=" in s["policy_spec"]
