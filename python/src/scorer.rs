@@ -203,6 +203,118 @@ impl Policy for PyScorerPolicy {
     }
 }
 
+/// A Python `kvreplay.Policy`: `keep(ctx)` returns each KV head's kept
+/// prompt positions; the engine checks them (one list per KV head, integer
+/// positions inside the prompt, no more than the budget when the prompt
+/// exceeds it) and builds exact caches of them (append-only during decode).
+pub struct PyKeepPolicy {
+    obj: Py<PyAny>,
+    name: String,
+}
+
+impl Policy for PyKeepPolicy {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+        let (l, p, b, nkv) = (ctx.layer(), ctx.prompt_len(), ctx.budget, ctx.n_kv_heads());
+        let fail = |msg: String| ReplayError::External {
+            policy: self.name.clone(),
+            layer: l,
+            msg,
+        };
+        let kept = Python::attach(|py| -> Result<Vec<Vec<usize>>, ReplayError> {
+            let c = ScoreCtx::new(py, ctx, 0).map_err(|e| fail(e.to_string()))?;
+            let alive = c.ptr.clone();
+            let c = Bound::new(py, c).map_err(|e| fail(e.to_string()))?;
+            let out = self.obj.bind(py).call_method1("keep", (c,));
+            py.detach(|| *alive.write().unwrap_or_else(|e| e.into_inner()) = None);
+            let out = out.map_err(|e| {
+                fail(python_error(py, &e).replacen("score() raised", "keep() raised", 1))
+            })?;
+            let np = py.import("numpy").map_err(|e| fail(e.to_string()))?;
+            let heads: Vec<Bound<'_, PyAny>> = out
+                .try_iter()
+                .and_then(|it| it.collect::<PyResult<Vec<_>>>())
+                .map_err(|_| {
+                    fail("keep() must return one sequence of positions per KV head".into())
+                })?;
+            if heads.len() != nkv {
+                return Err(fail(format!(
+                    "keep() returned {} lists of positions; expected one per KV head ({nkv})",
+                    heads.len()
+                )));
+            }
+            let mut kept = Vec::with_capacity(nkv);
+            for (g, h) in heads.into_iter().enumerate() {
+                let a = np
+                    .call_method1("asarray", (h,))
+                    .and_then(|a| a.call_method1("ravel", ()))
+                    .map_err(|e| fail(format!("KV head {g}: {e}")))?;
+                let kind: String = a
+                    .getattr("dtype")
+                    .and_then(|d| d.getattr("kind"))
+                    .and_then(|k| k.extract())
+                    .unwrap_or_default();
+                if !(kind == "i" || kind == "u" || (kind == "f" && a.len().unwrap_or(1) == 0)) {
+                    return Err(fail(format!(
+                        "KV head {g}: positions must be integers (got dtype kind `{kind}`)"
+                    )));
+                }
+                let v: Vec<i64> = a
+                    .call_method1("astype", ("int64",))
+                    .and_then(|a| a.call_method0("tolist"))
+                    .and_then(|l| l.extract())
+                    .map_err(|e| fail(format!("KV head {g}: {e}")))?;
+                if let Some(x) = v.iter().find(|&&x| x < 0 || x as usize >= p) {
+                    return Err(fail(format!(
+                        "KV head {g}: position {x} is outside the prompt (0..{p})"
+                    )));
+                }
+                let mut v: Vec<usize> = v.into_iter().map(|x| x as usize).collect();
+                v.sort_unstable();
+                let n = v.len();
+                v.dedup();
+                if v.len() != n {
+                    return Err(fail(format!("KV head {g}: a position is kept twice")));
+                }
+                if p > b && v.len() > b {
+                    return Err(fail(format!(
+                        "KV head {g}: keeps {} positions, over the budget of {b}",
+                        v.len()
+                    )));
+                }
+                kept.push(v);
+            }
+            Ok(kept)
+        })?;
+        let caches = kept
+            .iter()
+            .enumerate()
+            .map(|(g, k)| ctx.exact_cache(g, k))
+            .collect();
+        Ok((caches, Box::new(kvreplay_replay::policy::AppendOnly)))
+    }
+}
+
+/// A Python scorer or policy object as a replay policy.
+pub(crate) fn policy_of_object(
+    obj: &Bound<'_, PyAny>,
+    name: String,
+) -> Result<Arc<dyn Policy>, String> {
+    if obj.hasattr("keep").unwrap_or(false) && !obj.hasattr("score").unwrap_or(false) {
+        return Ok(Arc::new(PyKeepPolicy {
+            obj: obj.clone().unbind(),
+            name,
+        }));
+    }
+    Ok(Arc::new(PyScorerPolicy::from_object(obj, name)?))
+}
+
 /// What `score(ctx)` sees: one layer's prompt (copies of its keys, values
 /// and column sums) and, while the call lasts, its queries and attention.
 #[pyclass(module = "kvreplay._kvreplay", frozen, name = "ScoreContext")]
@@ -425,7 +537,7 @@ impl Resolver for PyResolver {
             .map(|(k, v)| format!("{k}={v},"))
             .collect::<String>();
         let canonical = format!("py:{path}:{class}:{params}sha256={sha}");
-        let policy = Python::attach(|py| -> Result<PyScorerPolicy, String> {
+        let policy = Python::attach(|py| -> Result<Arc<dyn Policy>, String> {
             let m = py.import("kvreplay").map_err(|e| e.to_string())?;
             let d = PyDict::new(py);
             for (k, v) in &kv {
@@ -437,7 +549,7 @@ impl Resolver for PyResolver {
                 .map_err(|e| {
                     python_error(py, &e).replacen("score() raised", "loading raised", 1)
                 })?;
-            PyScorerPolicy::from_object(&obj, short.clone())
+            policy_of_object(&obj, short.clone())
         })
         .map_err(|msg| ReplayError::BadSpec {
             spec: format!("py:{body}"),
@@ -446,7 +558,7 @@ impl Resolver for PyResolver {
         Ok(External {
             short,
             canonical,
-            policy: Arc::new(policy),
+            policy,
         })
     }
 }
@@ -465,11 +577,11 @@ pub(crate) fn external_of_object(obj: &Bound<'_, PyAny>) -> PyResult<External> {
         .call1((obj,))?
         .extract()?;
     let (short, canonical) = desc;
-    let policy = PyScorerPolicy::from_object(obj, short.clone())
+    let policy = policy_of_object(obj, short.clone())
         .map_err(|e| pyo3::exceptions::PyTypeError::new_err(format!("{short}: {e}")))?;
     Ok(External {
         short,
         canonical,
-        policy: Arc::new(policy),
+        policy,
     })
 }

@@ -115,3 +115,24 @@ def test_the_cli_runs_a_python_scorer_when_built_with_the_feature(smol_trace, kv
     assert (tmp_path / "py" / "retention.csv").read_bytes() == (tmp_path / "rs" / "retention.csv").read_bytes()
     s = json.loads((tmp_path / "py" / "summary.json").read_text())
     assert s["policy"] == "py:SnapKV" and "sha256=" in s["policy_spec"]
+
+
+def test_a_python_policy_keeps_what_it_returns(smol_trace):
+    t = kvreplay.Trace(smol_trace)
+    a = kvreplay.replay(t, f"py:{PORTS}/bad.py:Recent", budget=64)
+    b = kvreplay.replay(t, "streaming_llm:n_sink=0,decode_evict=false", budget=64)
+    same(a, b)
+
+
+@pytest.mark.parametrize(
+    "cls,what",
+    [
+        ("OutOfRange", r"KV head 0: position \d+ is outside the prompt"),
+        ("OverBudget", "KV head 0: keeps 65 positions, over the budget of 64"),
+        ("TooFewHeads", r"returned 1 lists of positions; expected one per KV head \(3\)"),
+    ],
+)
+def test_bad_python_policies_fail_clearly(smol_trace, cls, what):
+    with pytest.raises(kvreplay.KvReplayError, match=what) as e:
+        kvreplay.replay(smol_trace, f"py:{PORTS}/bad.py:{cls}", budget=64)
+    assert f"policy `py:{cls}`, layer " in str(e.value)

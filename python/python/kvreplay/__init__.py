@@ -34,6 +34,7 @@ __all__ = [
     "replay_to",
     "sweep",
     "Scorer",
+    "Policy",
     "ScoreContext",
     "ReplayResult",
     "SweepResult",
@@ -313,6 +314,27 @@ class Scorer:
 
     def score(self, ctx: ScoreContext) -> np.ndarray:  # pragma: no cover
         raise NotImplementedError("a Scorer must implement score(self, ctx)")
+
+
+class Policy:
+    """Base class of Python policies that choose their caches themselves.
+
+    Subclasses implement `keep(self, ctx)` returning, per KV head, the
+    prompt positions to keep (a list of n_kv_heads integer sequences, or an
+    (n_kv_heads, n) integer array), given the same `ctx` as `Scorer.score`.
+    Called once per layer. The engine checks the answer (one sequence per KV
+    head, positions inside the prompt, each once, at most `ctx.budget` when
+    the prompt is longer) and keeps those exact entries; decode appends.
+    Keyword arguments of the constructor become attributes, as for Scorer.
+    """
+
+    def __init__(self, **params: Any):
+        self.params = dict(params)
+        for k, v in params.items():
+            setattr(self, k, v)
+
+    def keep(self, ctx: ScoreContext):  # pragma: no cover
+        raise NotImplementedError("a Policy must implement keep(self, ctx)")
 
 
 def _convert(v: str) -> Any:

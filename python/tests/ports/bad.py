@@ -33,3 +33,26 @@ class Stash(kvreplay.Scorer):
     def score(self, ctx):
         Stash.ctx = ctx
         return np.zeros((ctx.n_kv_heads, ctx.prompt_len), np.float32)
+
+
+class Recent(kvreplay.Policy):
+    """Keeps the last `budget` positions of every KV head: streaming_llm with no sinks."""
+
+    def keep(self, ctx):
+        p, b = ctx.prompt_len, min(ctx.budget, ctx.prompt_len)
+        return [np.arange(p - b, p)] * ctx.n_kv_heads
+
+
+class OutOfRange(kvreplay.Policy):
+    def keep(self, ctx):
+        return [[0, ctx.prompt_len]] * ctx.n_kv_heads
+
+
+class OverBudget(kvreplay.Policy):
+    def keep(self, ctx):
+        return [np.arange(ctx.budget + 1)] * ctx.n_kv_heads
+
+
+class TooFewHeads(kvreplay.Policy):
+    def keep(self, ctx):
+        return [[0]]
