@@ -39,6 +39,24 @@ for rust, py in pairs:
             r = kvreplay.replay(t, spec, budget=a.budget)
             times[spec].append(time.perf_counter() - t0)
         same = r.retention["position"].tolist() == kvreplay.replay(t, rust, budget=a.budget).retention["position"].tolist()
+    # the time inside score() itself, per point (the same port as an object)
+    path, cls = py[3:].split(":")[0], py[3:].split(":")[1]
+    mod = kvreplay._load_scorer(path, cls, dict(kv.split("=") for kv in py.split(":")[3:4] if kv))
+    inner = []
+    orig = type(mod).score
+
+    def timed(self, ctx, _o=orig):
+        t0 = time.perf_counter()
+        try:
+            return _o(self, ctx)
+        finally:
+            inner[-1] += time.perf_counter() - t0
+
+    mod.score = timed.__get__(mod)
+    for _ in range(a.reps):
+        inner.append(0.0)
+        kvreplay.replay(t, mod, budget=a.budget)
     mr, mp = statistics.median(times[rust]), statistics.median(times[py])
+    print(f"{'':14s} inside score(): median {statistics.median(inner):.3f} s per point ({len(inner)} points)")
     print(f"{rust:14s} Rust {mr:.3f} s  Python {mp:.3f} s  overhead {mp - mr:+.3f} s ({mp / mr:.2f}x)  same kept: {same}")
     print(f"    Rust {[round(x, 3) for x in times[rust]]}  Python {[round(x, 3) for x in times[py]]}")
