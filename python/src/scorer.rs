@@ -18,6 +18,9 @@ use pyo3::types::PyDict;
 
 use kvreplay_replay::cache::HeadCache;
 use kvreplay_replay::external::{register, External, Resolver};
+use kvreplay_replay::info::{Build, BuildAround};
+use kvreplay_replay::params::Params;
+use kvreplay_replay::policies::find;
 use kvreplay_replay::policy::DecodeState;
 use kvreplay_replay::select::{Protect, Tie};
 use kvreplay_replay::{Policy, PrefillCtx, ReplayError, Scorer, TopK, Unit};
@@ -32,6 +35,9 @@ pub struct PyScorerPolicy {
     window: usize,
     skip_layers: Vec<usize>,
     tie: Tie,
+    /// A scorer wrapper that spreads the budget (`allocation = "adakv"`,
+    /// `"pyramidkv:beta=20"`): its builder and parameters.
+    allocation: Option<(BuildAround, Params)>,
 }
 
 impl PyScorerPolicy {
@@ -62,7 +68,29 @@ impl PyScorerPolicy {
             Ok(t) => return Err(format!("`tie` = {t:?}: expected \"later\" or \"earlier\"")),
             Err(_) => Tie::KeepLater,
         };
+        let allocation = match obj.getattr("allocation") {
+            Ok(v) if !v.is_none() => {
+                let spec: String = v.extract().map_err(|_| {
+                    "`allocation` must be a string such as \"adakv:alpha=0.2\"".to_string()
+                })?;
+                if spec == "uniform" {
+                    None
+                } else {
+                    let p = kvreplay_replay::spec::parse_one(&spec).map_err(|e| e.to_string())?;
+                    match find(p.policy).map(|i| i.build) {
+                        Some(Build::ScorerWrapper { build, .. }) => Some((build, p)),
+                        _ => {
+                            return Err(format!(
+                                "`allocation` = {spec:?}: expected uniform or a scorer wrapper (adakv, pyramidkv)"
+                            ))
+                        }
+                    }
+                }
+            }
+            _ => None,
+        };
         Ok(PyScorerPolicy {
+            allocation,
             obj: obj.clone().unbind(),
             name: Box::leak(name.into_boxed_str()),
             sinks: int("sinks")?,
@@ -191,15 +219,15 @@ impl Policy for PyScorerPolicy {
             let caches = (0..ctx.n_kv_heads()).map(|g| ctx.full_cache(g)).collect();
             return Ok((caches, Box::new(kvreplay_replay::policy::AppendOnly)));
         }
-        let sel = TopK::new(
-            self.name,
-            Arc::new(Rows {
-                rows,
-                prot,
-                tie: self.tie,
-            }),
-        );
-        sel.prefill(ctx)
+        let rows: Arc<dyn Scorer> = Arc::new(Rows {
+            rows,
+            prot,
+            tie: self.tie,
+        });
+        match &self.allocation {
+            Some((build, params)) => build(params, rows)?.prefill(ctx),
+            None => TopK::new(self.name, rows).prefill(ctx),
+        }
     }
 }
 

@@ -136,3 +136,14 @@ def test_bad_python_policies_fail_clearly(smol_trace, cls, what):
     with pytest.raises(kvreplay.KvReplayError, match=what) as e:
         kvreplay.replay(smol_trace, f"py:{PORTS}/bad.py:{cls}", budget=64)
     assert f"policy `py:{cls}`, layer " in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "alloc,builtin",
+    [("pyramidkv", "pyramidkv:w=8"), ("pyramidkv:beta=5", "pyramidkv:beta=5,w=8"), ("adakv", "adakv:w=8")],
+)
+def test_allocation_wrappers_around_a_python_scorer(smol_trace, alloc, builtin):
+    t = kvreplay.Trace(smol_trace)
+    a = kvreplay.replay(t, f"py:{PORTS}/snapkv.py:SnapKV:w=8,allocation={alloc}", budget=96)
+    b = kvreplay.replay(t, builtin, budget=96)
+    same(a, b)

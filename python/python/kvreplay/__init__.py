@@ -296,7 +296,10 @@ class Scorer:
     - `sinks`: the first positions, always kept (inside the budget);
     - `window`: the last prompt positions, always kept (inside the budget);
     - `skip_layers`: layers left uncompressed;
-    - `tie`: which of two equal scores survives, "later" (default) or "earlier".
+    - `tie`: which of two equal scores survives, "later" (default) or "earlier";
+    - `allocation`: how the budget is spread: None/"uniform" (B per KV head),
+      or a scorer wrapper's spec, "pyramidkv[:beta=20]" or "adakv[:alpha=0.2]"
+      (in a `py:` spec: `allocation=adakv`, a reserved key).
 
     Keyword arguments of the constructor (the `k=v` of a `py:` spec) become
     attributes, converted to int, float or bool when they look like one.
@@ -306,6 +309,7 @@ class Scorer:
     window: int = 0
     skip_layers: Sequence[int] = ()
     tie: str = "later"
+    allocation: Optional[str] = None
 
     def __init__(self, **params: Any):
         self.params = dict(params)
@@ -372,7 +376,12 @@ def _load_scorer(path: str, class_name: str, params: Dict[str, str]):
     cls = getattr(mod, class_name, None)
     if cls is None:
         raise AttributeError(f"{path} defines no `{class_name}`")
-    return cls(**{k: _convert(v) for k, v in params.items()})
+    params = dict(params)
+    allocation = params.pop("allocation", None)  # reserved: the selection's, not the class's
+    obj = cls(**{k: _convert(v) for k, v in params.items()})
+    if allocation is not None:
+        obj.allocation = allocation
+    return obj
 
 
 def _describe_scorer(obj) -> Tuple[str, str]:
