@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use numpy::ndarray::{ArrayView, IxDyn};
-use numpy::{IntoPyArray, PyArray};
+use numpy::{IntoPyArray, PyArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -134,6 +134,103 @@ unsafe fn cast<T>(bytes: &[u8]) -> &[T] {
             && bytes.len().is_multiple_of(n)
     );
     std::slice::from_raw_parts(bytes.as_ptr() as *const T, bytes.len() / n)
+}
+
+/// A trace being written (the Python `kvreplay.TraceWriter` wraps it): the
+/// Rust writer, so the files, checksums and manifest are the CLI capture's.
+#[pyclass(module = "kvreplay._kvreplay", frozen)]
+pub struct RawTraceWriter {
+    inner: std::sync::Mutex<Option<kvreplay_traces::TraceWriter>>,
+    manifest: kvreplay_traces::Manifest,
+}
+
+#[pymethods]
+impl RawTraceWriter {
+    /// `manifest_json`: the whole manifest but `files` (filled in by finish).
+    #[new]
+    #[pyo3(signature = (out, manifest_json, force = false))]
+    fn new(out: PathBuf, manifest_json: &str, force: bool) -> PyResult<Self> {
+        let manifest: kvreplay_traces::Manifest = serde_json::from_str(manifest_json)
+            .map_err(|e| PyValueError::new_err(format!("manifest: {e}")))?;
+        let w =
+            kvreplay_traces::TraceWriter::create(&out, manifest.layout(), force).map_err(err)?;
+        Ok(RawTraceWriter {
+            inner: std::sync::Mutex::new(Some(w)),
+            manifest,
+        })
+    }
+
+    /// Write tensor `name` (q, k, v, o: (heads, T, d); attn_colsum: (n_heads, P))
+    /// of layer `layer` from a C-contiguous float32 array, converted to the
+    /// trace's dtype.
+    fn write(
+        &self,
+        py: Python<'_>,
+        layer: usize,
+        name: &str,
+        data: numpy::PyReadonlyArrayDyn<'_, f32>,
+    ) -> PyResult<()> {
+        use kvreplay_traces::TensorKind;
+        let layout = self.manifest.layout();
+        let (heads, rows, kind) = match name {
+            "q" => (layout.n_heads, layout.total_len, Some(TensorKind::Q)),
+            "o" => (layout.n_heads, layout.total_len, Some(TensorKind::O)),
+            "k" => (layout.n_kv_heads, layout.total_len, Some(TensorKind::K)),
+            "v" => (layout.n_kv_heads, layout.total_len, Some(TensorKind::V)),
+            "attn_colsum" => (layout.n_heads, layout.prompt_len, None),
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "no tensor `{name}` to write"
+                )))
+            }
+        };
+        let want: Vec<usize> = match kind {
+            Some(_) => vec![heads, rows, layout.head_dim],
+            None => vec![heads, rows],
+        };
+        if data.shape() != want.as_slice() {
+            return Err(PyValueError::new_err(format!(
+                "{name}: shape {:?}, the manifest implies {want:?}",
+                data.shape()
+            )));
+        }
+        if layer >= layout.n_layers {
+            return Err(PyValueError::new_err(format!(
+                "layer {layer} out of range ({} layers)",
+                layout.n_layers
+            )));
+        }
+        let values = data
+            .as_slice()
+            .map_err(|_| PyValueError::new_err(format!("{name}: not C-contiguous")))?;
+        let per_head = values.len() / heads;
+        py.detach(|| -> PyResult<()> {
+            let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            let w = g
+                .as_mut()
+                .ok_or_else(|| PyRuntimeError::new_err("the trace is already finished"))?;
+            let lw = w.layer(layer);
+            for (h, chunk) in values.chunks_exact(per_head).enumerate() {
+                match kind {
+                    Some(k) => lw.write_rows(k, h, 0, chunk),
+                    None => lw.write_colsum(h, chunk),
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Flush, checksum, write the manifest and move the trace into place.
+    fn finish(&self, py: Python<'_>) -> PyResult<PathBuf> {
+        let w = self
+            .inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("the trace is already finished"))?;
+        let m = self.manifest.clone();
+        py.detach(|| w.finish(m)).map_err(err)
+    }
 }
 
 fn budget_of(budget: Option<usize>, ratio: Option<f64>) -> PyResult<Budget> {
@@ -338,6 +435,7 @@ fn _kvreplay(m: &Bound<'_, PyModule>) -> PyResult<()> {
     register_py_resolver().map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
     m.add("KvReplayError", m.py().get_type::<KvReplayError>())?;
     m.add_class::<RawTrace>()?;
+    m.add_class::<RawTraceWriter>()?;
     m.add_class::<scorer::ScoreCtx>()?;
     m.add_function(wrap_pyfunction!(replay, m)?)?;
     m.add_function(wrap_pyfunction!(replay_to, m)?)?;

@@ -29,6 +29,7 @@ __version__ = _kvreplay.__version__
 
 __all__ = [
     "Trace",
+    "TraceWriter",
     "Layer",
     "replay",
     "replay_to",
@@ -175,6 +176,33 @@ class Trace:
 
     def __iter__(self):
         return (self.layer(l) for l in range(self.n_layers))
+
+
+class TraceWriter:
+    """Write a trace through the Rust writer (the CLI capture's files,
+    checksums and manifest checks; `kvreplay verify` accepts the result).
+
+        w = kvreplay.TraceWriter("out.kvtrace", manifest)  # manifest: dict, `files` filled in here
+        for l in range(n_layers):
+            w.write(l, q=q, k=k, v=v, o=o, colsum=colsum)    # float arrays, (heads, T, d) / (n_heads, P)
+        w.finish()
+
+    Until `finish()` the trace is in `OUT.partial/` (replaced by the next
+    writer of OUT): an interrupted writer leaves no OUT that looks complete.
+    """
+
+    def __init__(self, out: Union[str, os.PathLike], manifest: Dict[str, Any], force: bool = False):
+        m = dict(manifest)
+        m["files"] = []
+        self._raw = _kvreplay.RawTraceWriter(os.fspath(out), json.dumps(m), force)
+
+    def write(self, layer: int, **tensors: np.ndarray) -> None:
+        for name, a in tensors.items():
+            name = "attn_colsum" if name == "colsum" else name
+            self._raw.write(layer, name, np.ascontiguousarray(a, dtype=np.float32))
+
+    def finish(self) -> str:
+        return self._raw.finish()
 
 
 def _raw_trace(trace: Union[Trace, str, os.PathLike]) -> "_kvreplay.RawTrace":
