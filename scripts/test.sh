@@ -5,8 +5,10 @@
 # Then the real Slurm test (scripts/slurm-local.sh: a one-node cluster on this
 # machine), where it can run: root, Debian packages reachable, no test filter
 # given, KVREPLAY_SKIP_SLURM unset; it says why when it does not run.
+# Then the Python package's pytest suite (scripts/test-python.sh: builds the
+# wheel into .venv-py/), unless KVREPLAY_SKIP_PYTHON is set.
 # Ends with one summary line, "tests: N passed, M failed" (the Slurm test
-# counts as one).
+# counts as one; each pytest test as one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-model.sh all
@@ -48,8 +50,26 @@ else
         *) slurm_fail=1; echo "slurm-local: FAILED (exit status $slurm_status)" ;;
     esac
 fi
-awk -v sp="$slurm_pass" -v sf="$slurm_fail" \
+# The Python package (python/): its pytest suite, counted test by test.
+py_pass=0 py_fail=0
+if [ -n "${KVREPLAY_SKIP_PYTHON:-}" ]; then
+    echo "python: SKIPPED (KVREPLAY_SKIP_PYTHON is set)"
+else
+    pylog=$(mktemp)
+    set +e
+    scripts/test-python.sh 2>&1 | tee "$pylog"
+    py_status=${PIPESTATUS[0]}
+    set -e
+    last=$(grep -E '(passed|failed|error|no tests ran)' "$pylog" | tail -1 || true)
+    py_pass=$(grep -oE '[0-9]+ passed' <<<"$last" | grep -oE '[0-9]+' || echo 0)
+    py_fail=$(( $(grep -oE '[0-9]+ failed' <<<"$last" | grep -oE '[0-9]+' || echo 0) \
+        + $(grep -oE '[0-9]+ errors?' <<<"$last" | grep -oE '[0-9]+' || echo 0) ))
+    # a build or setup failure counts as one failed test
+    if [ "$py_status" != 0 ] && [ "$py_fail" = 0 ]; then py_fail=1; fi
+    rm -f "$pylog"
+fi
+awk -v sp="$((slurm_pass + py_pass))" -v sf="$((slurm_fail + py_fail))" \
     '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
      END { printf "tests: %d passed, %d failed\n", p + sp, f + sf }' "$log"
-if [ "$status" = 0 ] && [ "$slurm_fail" = 1 ]; then status=1; fi
+if [ "$status" = 0 ] && { [ "$slurm_fail" = 1 ] || [ "$py_fail" != 0 ]; }; then status=1; fi
 exit "$status"

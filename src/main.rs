@@ -6,6 +6,11 @@ mod cli;
 
 fn main() {
     restore_sigpipe();
+    #[cfg(feature = "python")]
+    if let Err(e) = _kvreplay::embed() {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
     if let Err(e) = cli::run() {
         eprintln!("error: {e:#}");
         std::process::exit(1);

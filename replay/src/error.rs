@@ -33,6 +33,13 @@ pub enum ReplayError {
     },
     #[error("policy `{policy}` broke the replay contract: {msg} (a bug in the policy; please report it)")]
     Contract { policy: String, msg: String },
+    /// A policy defined outside this crate (`py:...`) failed.
+    #[error("policy `{policy}`, layer {layer}: {msg}")]
+    External {
+        policy: String,
+        layer: usize,
+        msg: String,
+    },
     #[error("{path}: {msg}")]
     Output {
         path: std::path::PathBuf,

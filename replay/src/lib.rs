@@ -11,6 +11,7 @@ pub mod allocation;
 pub mod cache;
 pub mod engine;
 mod error;
+pub mod external;
 pub mod info;
 pub mod memo;
 pub mod memory;

@@ -222,6 +222,9 @@ pub fn parse_one(s: &str) -> Result<Params, ReplayError> {
 /// A parsed policy specification: a base policy and any wrappers.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PolicySpec {
+    /// A base policy named by a registered external prefix (`py:...`);
+    /// `parts` then holds only the wrappers composed onto it.
+    pub external: Option<crate::external::External>,
     pub parts: Vec<Params>,
 }
 
@@ -233,10 +236,21 @@ impl PolicySpec {
                 msg: "empty policy; run `kvreplay policies` to list them".into(),
             });
         }
-        let parts = s.split('+').map(parse_one).collect::<Result<Vec<_>, _>>()?;
+        let mut elements: Vec<&str> = s.split('+').collect();
+        let external = match crate::external::lookup(elements[0]) {
+            Some((resolver, body)) => {
+                elements.remove(0);
+                Some(resolver.resolve(&body)?)
+            }
+            None => None,
+        };
+        let parts = elements
+            .into_iter()
+            .map(parse_one)
+            .collect::<Result<Vec<_>, _>>()?;
         for (i, p) in parts.iter().enumerate() {
             let wrapper = find(p.policy).is_some_and(|i| i.is_wrapper());
-            if i > 0 && !wrapper {
+            if (i > 0 || external.is_some()) && !wrapper {
                 return Err(ReplayError::BadSpec {
                     spec: s.into(),
                     msg: format!(
@@ -260,30 +274,32 @@ impl PolicySpec {
                 });
             }
         }
-        Ok(PolicySpec { parts })
+        Ok(PolicySpec { external, parts })
     }
 
     /// The spec with every default filled in (for provenance).
     pub fn canonical(&self) -> String {
-        self.parts
+        self.external
             .iter()
-            .map(|p| p.canonical())
+            .map(|e| e.canonical.clone())
+            .chain(self.parts.iter().map(|p| p.canonical()))
             .collect::<Vec<_>>()
             .join("+")
     }
 
     /// Short name for tables: the policy names joined by `+`.
     pub fn short(&self) -> String {
-        self.parts
+        self.external
             .iter()
-            .map(|p| p.policy)
+            .map(|e| e.short.as_str())
+            .chain(self.parts.iter().map(|p| p.policy))
             .collect::<Vec<_>>()
             .join("+")
     }
 
     /// Build the policy object.
     pub fn build(&self) -> Result<Arc<dyn Policy>, ReplayError> {
-        let mut policy: Option<Arc<dyn Policy>> = None;
+        let mut policy: Option<Arc<dyn Policy>> = self.external.as_ref().map(|e| e.policy.clone());
         for part in &self.parts {
             let info = find(part.policy).expect("parsed names exist");
             policy = Some(match (info.build, policy) {

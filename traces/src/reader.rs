@@ -327,6 +327,16 @@ impl<'a> LayerView<'a> {
         &self.file.path
     }
 
+    /// A whole tensor of the layer file, as stored: dtype, shape and bytes
+    /// inside the memory map (for zero-copy views such as the Python
+    /// binding's NumPy arrays); None when the file lacks it.
+    pub fn tensor_bytes(&self, name: &str) -> Option<(Dtype, &'a [usize], &'a [u8])> {
+        self.file
+            .tensors
+            .contains_key(name)
+            .then(|| self.tensor(name))
+    }
+
     fn tensor(&self, name: &str) -> (Dtype, &'a [usize], &'a [u8]) {
         let (dtype, shape, range) = &self.file.tensors[name];
         (*dtype, shape, &self.file.mmap[range.clone()])
