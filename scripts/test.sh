@@ -6,7 +6,9 @@
 # machine), where it can run: root, Debian packages reachable, no test filter
 # given, KVREPLAY_SKIP_SLURM unset; it says why when it does not run.
 # Then the Python package's pytest suite (scripts/test-python.sh: builds the
-# wheel into .venv-py/), unless KVREPLAY_SKIP_PYTHON is set.
+# wheel into .venv-py/), unless KVREPLAY_SKIP_PYTHON is set, and its HF
+# transformers capture tests (scripts/test-python-hf.sh: torch, transformers
+# and gguf into .venv-hf/, several GB on first use), unless KVREPLAY_SKIP_HF is set.
 # Ends with one summary line, "tests: N passed, M failed" (the Slurm test
 # counts as one; each pytest test as one).
 set -euo pipefail
@@ -50,23 +52,33 @@ else
         *) slurm_fail=1; echo "slurm-local: FAILED (exit status $slurm_status)" ;;
     esac
 fi
-# The Python package (python/): its pytest suite, counted test by test.
+# The Python package (python/): its pytest suites, counted test by test.
 py_pass=0 py_fail=0
+pytest_suite() { # SCRIPT: run it, add its pytest counts to py_pass/py_fail
+    local pylog status last pass fail
+    pylog=$(mktemp)
+    set +e
+    "$1" 2>&1 | tee "$pylog"
+    status=${PIPESTATUS[0]}
+    set -e
+    last=$(grep -E '(passed|failed|error|no tests ran)' "$pylog" | tail -1 || true)
+    pass=$(grep -oE '[0-9]+ passed' <<<"$last" | grep -oE '[0-9]+' || echo 0)
+    fail=$(( $(grep -oE '[0-9]+ failed' <<<"$last" | grep -oE '[0-9]+' || echo 0) \
+        + $(grep -oE '[0-9]+ errors?' <<<"$last" | grep -oE '[0-9]+' || echo 0) ))
+    # a build or setup failure counts as one failed test
+    if [ "$status" != 0 ] && [ "$fail" = 0 ]; then fail=1; fi
+    rm -f "$pylog"
+    py_pass=$((py_pass + pass)) py_fail=$((py_fail + fail))
+}
 if [ -n "${KVREPLAY_SKIP_PYTHON:-}" ]; then
     echo "python: SKIPPED (KVREPLAY_SKIP_PYTHON is set)"
 else
-    pylog=$(mktemp)
-    set +e
-    scripts/test-python.sh 2>&1 | tee "$pylog"
-    py_status=${PIPESTATUS[0]}
-    set -e
-    last=$(grep -E '(passed|failed|error|no tests ran)' "$pylog" | tail -1 || true)
-    py_pass=$(grep -oE '[0-9]+ passed' <<<"$last" | grep -oE '[0-9]+' || echo 0)
-    py_fail=$(( $(grep -oE '[0-9]+ failed' <<<"$last" | grep -oE '[0-9]+' || echo 0) \
-        + $(grep -oE '[0-9]+ errors?' <<<"$last" | grep -oE '[0-9]+' || echo 0) ))
-    # a build or setup failure counts as one failed test
-    if [ "$py_status" != 0 ] && [ "$py_fail" = 0 ]; then py_fail=1; fi
-    rm -f "$pylog"
+    pytest_suite scripts/test-python.sh
+    if [ -n "${KVREPLAY_SKIP_HF:-}" ]; then
+        echo "python HF capture: SKIPPED (KVREPLAY_SKIP_HF is set)"
+    else
+        pytest_suite scripts/test-python-hf.sh
+    fi
 fi
 awk -v sp="$((slurm_pass + py_pass))" -v sf="$((slurm_fail + py_fail))" \
     '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
