@@ -544,8 +544,8 @@ fn a_manifest_whose_decode_count_overflows_is_refused() {
 
 #[test]
 fn version_1_traces_still_read_and_verify() {
-    // replay/tests/golden/tiny.kvtrace was written by format version 1
-    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("../replay/tests/golden/tiny.kvtrace");
+    // tests/data/v1.kvtrace: replay's golden trace as format version 1 wrote it
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/v1.kvtrace");
     let m = Manifest::read(&golden).unwrap();
     assert_eq!(m.format_version, 1);
     assert!(m.model.layers.is_empty() && !m.model.has_sliding_layers());
