@@ -295,6 +295,8 @@ pub struct Spm {
     /// Control (3) and user-defined (4) pieces, matched whole in the text,
     /// longest first.
     specials: Vec<(String, u32)>,
+    /// Bytes a special piece starts with (the text is scanned only there).
+    special_first: [bool; 256],
     bos: Option<u32>,
     add_bos: bool,
     add_space_prefix: bool,
@@ -350,6 +352,10 @@ impl Spm {
             .map(|(i, (p, _))| (p.clone(), i as u32))
             .collect();
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let mut special_first = [false; 256];
+        for (p, _) in &specials {
+            special_first[p.as_bytes()[0] as usize] = true;
+        }
         let flag = |k: &str, default: bool| match g.get(k) {
             Some(crate::gguf::MetaValue::Bool(b)) => *b,
             _ => default,
@@ -367,6 +373,7 @@ impl Spm {
             ids,
             bytes,
             specials,
+            special_first,
         })
     }
 
@@ -387,10 +394,13 @@ impl Spm {
         let mut plain_start = 0;
         let mut first = true;
         while at < text.len() {
-            let hit = self
-                .specials
-                .iter()
-                .find(|(p, _)| text[at..].starts_with(p.as_str()));
+            let hit = if self.special_first[text.as_bytes()[at] as usize] {
+                self.specials
+                    .iter()
+                    .find(|(p, _)| text[at..].starts_with(p.as_str()))
+            } else {
+                None
+            };
             match hit {
                 Some((p, id)) => {
                     if plain_start < at {
