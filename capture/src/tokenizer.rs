@@ -36,7 +36,7 @@ pub type Encoded = (Vec<u32>, Vec<(usize, usize)>);
 
 enum Inner {
     Bpe(Box<tokenizers::Tokenizer>),
-    Spm(Spm),
+    Spm(Box<Spm>),
 }
 
 pub struct Tokenizer {
@@ -64,7 +64,7 @@ impl Tokenizer {
                 bos: id("tokenizer.ggml.bos_token_id"),
                 eos: id("tokenizer.ggml.eos_token_id"),
                 tokens: spm.pieces.clone(),
-                inner: Inner::Spm(spm),
+                inner: Inner::Spm(Box::new(spm)),
                 source: g.path.clone(),
                 chat_template: g
                     .get("tokenizer.chat_template")
