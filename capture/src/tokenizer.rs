@@ -12,6 +12,14 @@
 //! bytes as `<0xNN>` pieces. Control and user-defined pieces written in the
 //! text are matched whole; BOS is prepended when
 //! `tokenizer.ggml.add_bos_token` says so.
+//!
+//! Matching those pieces in the raw text is llama.cpp's behaviour (and HF's
+//! added tokens'), not the `sentencepiece` library's: Gemma 3's user-defined
+//! whitespace runs (`"  "`, `"   "`, ...) and control strings typed in the
+//! text (`<start_of_turn>`) become one piece here, while a SentencePiece
+//! model built from the same pieces escapes the spaces first and spells
+//! control strings out. Text without runs of spaces or control strings
+//! tokenizes identically in both (scripts/reference_gemma3.py checks that).
 
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
