@@ -8,7 +8,10 @@ that `kvreplay capture` wrote:
 - the tokenizer is the `sentencepiece` package itself, loaded from a
   ModelProto built from the GGUF pieces, scores and types (BPE, byte
   fallback, no dummy prefix, no normalisation) -- not kvreplay's SPM code and
-  not transformers' GGUF tokenizer (which gets this file wrong);
+  not transformers' GGUF tokenizer (which gets this file wrong). The two
+  differ by design in one place: kvreplay, like llama.cpp, matches the GGUF's
+  user-defined whitespace-run pieces ("  ", "   ", ...) and control strings
+  in the raw text, sentencepiece does not; the test prompts have neither;
 - the forward pass in NumPy float32 over the whole sequence at once (no KV
   cache), written from HF transformers' Gemma 3: embeddings * sqrt(d_model);
   per block attn_norm -> q/k/v -> per-head RMSNorm of q and k -> rotate-half

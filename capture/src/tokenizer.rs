@@ -12,6 +12,14 @@
 //! bytes as `<0xNN>` pieces. Control and user-defined pieces written in the
 //! text are matched whole; BOS is prepended when
 //! `tokenizer.ggml.add_bos_token` says so.
+//!
+//! Matching those pieces in the raw text is llama.cpp's behaviour (and HF's
+//! added tokens'), not the `sentencepiece` library's: Gemma 3's user-defined
+//! whitespace runs (`"  "`, `"   "`, ...) and control strings typed in the
+//! text (`<start_of_turn>`) become one piece here, while a SentencePiece
+//! model built from the same pieces escapes the spaces first and spells
+//! control strings out. Text without runs of spaces or control strings
+//! tokenizes identically in both (scripts/reference_gemma3.py checks that).
 
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -36,7 +44,7 @@ pub type Encoded = (Vec<u32>, Vec<(usize, usize)>);
 
 enum Inner {
     Bpe(Box<tokenizers::Tokenizer>),
-    Spm(Spm),
+    Spm(Box<Spm>),
 }
 
 pub struct Tokenizer {
@@ -64,7 +72,7 @@ impl Tokenizer {
                 bos: id("tokenizer.ggml.bos_token_id"),
                 eos: id("tokenizer.ggml.eos_token_id"),
                 tokens: spm.pieces.clone(),
-                inner: Inner::Spm(spm),
+                inner: Inner::Spm(Box::new(spm)),
                 source: g.path.clone(),
                 chat_template: g
                     .get("tokenizer.chat_template")
@@ -295,6 +303,8 @@ pub struct Spm {
     /// Control (3) and user-defined (4) pieces, matched whole in the text,
     /// longest first.
     specials: Vec<(String, u32)>,
+    /// Bytes a special piece starts with (the text is scanned only there).
+    special_first: [bool; 256],
     bos: Option<u32>,
     add_bos: bool,
     add_space_prefix: bool,
@@ -350,6 +360,10 @@ impl Spm {
             .map(|(i, (p, _))| (p.clone(), i as u32))
             .collect();
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let mut special_first = [false; 256];
+        for (p, _) in &specials {
+            special_first[p.as_bytes()[0] as usize] = true;
+        }
         let flag = |k: &str, default: bool| match g.get(k) {
             Some(crate::gguf::MetaValue::Bool(b)) => *b,
             _ => default,
@@ -367,6 +381,7 @@ impl Spm {
             ids,
             bytes,
             specials,
+            special_first,
         })
     }
 
@@ -387,10 +402,13 @@ impl Spm {
         let mut plain_start = 0;
         let mut first = true;
         while at < text.len() {
-            let hit = self
-                .specials
-                .iter()
-                .find(|(p, _)| text[at..].starts_with(p.as_str()));
+            let hit = if self.special_first[text.as_bytes()[at] as usize] {
+                self.specials
+                    .iter()
+                    .find(|(p, _)| text[at..].starts_with(p.as_str()))
+            } else {
+                None
+            };
             match hit {
                 Some((p, id)) => {
                     if plain_start < at {

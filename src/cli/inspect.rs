@@ -63,6 +63,17 @@ pub(super) fn cmd_inspect(a: InspectArgs) -> Result<()> {
         "rope       theta {}, {:?}, {} rotated dims, scaling {:?}",
         md.rope.theta, md.rope.style, md.rope.rotated_dims, md.rope.scaling
     );
+    if !md.layers.is_empty() {
+        let kinds: Vec<String> = md
+            .layers
+            .iter()
+            .map(|la| match la.window {
+                Some(w) => format!("sliding {w} (theta {})", la.rope_theta),
+                None => format!("full (theta {})", la.rope_theta),
+            })
+            .collect();
+        println!("layers     {}", kinds.join(", "));
+    }
     println!(
         "tokens     {} prompt + {} generated ({}) = T {}",
         m.prompt_len(),

@@ -630,7 +630,8 @@ fn a_manifest_whose_decode_count_overflows_is_refused() {
 
 #[test]
 fn version_1_traces_still_read_and_verify() {
-    // replay/tests/golden/tiny.kvtrace was written by format version 1
+    // replay/tests/golden/tiny.kvtrace is a full trace of a llama-style
+    // model: written as format version 1 (the lowest that describes it)
     let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("../replay/tests/golden/tiny.kvtrace");
     let m = Manifest::read(&golden).unwrap();
     assert_eq!(m.format_version, 1);
