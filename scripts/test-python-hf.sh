@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Opt-in: the HF transformers capture tests (python/tests/test_hf.py), which
-# scripts/test.sh skips (torch is not installed there). Makes .venv-hf/ with
+# The HF transformers capture tests (python/tests/test_hf.py), run by
+# scripts/test.sh after scripts/test-python.sh. Makes .venv-hf/ with
 # torch, transformers and gguf from PyPI (torch from PyPI brings the whole
 # CUDA stack: several GB; see BENCHMARKS.md), installs the kvreplay wheel
 # built by scripts/test-python.sh (run first), and runs the tests.
