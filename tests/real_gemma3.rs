@@ -111,16 +111,26 @@ fn gemma3_capture_matches_independent_reference() {
     let mut seen = 0;
     for line in csv.lines().skip(1) {
         let f: Vec<&str> = line.split(',').collect();
-        let (layer, rel_l2, bytes): (usize, f64, u64) =
-            (f[2].parse().unwrap(), f[4].parse().unwrap(), f[8].parse().unwrap());
+        let (layer, rel_l2, bytes): (usize, f64, u64) = (
+            f[2].parse().unwrap(),
+            f[4].parse().unwrap(),
+            f[8].parse().unwrap(),
+        );
         if layer % 6 == 5 {
-            assert!(rel_l2 > 0.0 && bytes == 64 * 2 * 256 * 2 + 8 * 2 * 256 * 2, "{line}");
+            assert!(
+                rel_l2 > 0.0 && bytes == 64 * 2 * 256 * 2 + 8 * 2 * 256 * 2,
+                "{line}"
+            );
         } else {
             assert!(rel_l2 == 0.0 && bytes == 512 * 2 * 256 * 2, "{line}");
         }
         seen += 1;
     }
-    assert_eq!(seen, 18 * 4, "every (layer, head) of the 18 layers and 4 heads");
+    assert_eq!(
+        seen,
+        18 * 4,
+        "every (layer, head) of the 18 layers and 4 heads"
+    );
     let o = Command::new(python)
         .arg(Path::new(ROOT).join("scripts/reference_gemma3.py"))
         .args([

@@ -306,8 +306,9 @@ fn error_falls_as_the_budget_grows() {
     let trace = Trace::open(dir).unwrap();
     let budgets = [16, 64, 256];
     for info in REGISTRY.iter().filter(|i| i.name != "full") {
-        let spec = if info.name == "quant" {
-            "snapkv+quant".to_string()
+        // a wrapper alone wraps `full`: compose it onto snapkv
+        let spec = if info.is_wrapper() {
+            format!("snapkv+{}", info.name)
         } else {
             info.name.to_string()
         };

@@ -499,7 +499,24 @@ pub fn lock_with(
         .truncate(false)
         .open(&path)
         .map_err(io(&path))?;
-    match file.try_lock() {
+    // A child this process forks (another thread running a command) holds a
+    // copy of a lock file it opened until the child execs; a lock that
+    // names this very process is such a copy and is gone in a moment.
+    let mut tries = 0;
+    let taken = loop {
+        match file.try_lock() {
+            Err(std::fs::TryLockError::WouldBlock)
+                if tries < 500
+                    && std::fs::read_to_string(&path)
+                        .is_ok_and(|h| h.trim() == std::process::id().to_string()) =>
+            {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            r => break r,
+        }
+    };
+    match taken {
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => {
             let holder = std::fs::read_to_string(&path).unwrap_or_default();

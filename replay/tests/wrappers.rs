@@ -283,7 +283,8 @@ fn random_keeps_the_first_b_of_a_seeded_permutation() {
 /// 2 query heads over 1 KV head, d = 4, 6 prompt + 2 decode positions,
 /// window W = 3. By default the layer keeps its window uncompressed (zero
 /// error; memory and retention count the W entries visible at the last
-/// position); `knorm+sliding` compresses it, and each decode query then
+/// position); `h2o:recent=0,decode_evict=false+sliding` compresses it (the
+/// two heaviest prompt positions, both before the window), and each decode query then
 /// attends only to the kept entries inside its window. Both checked against
 /// a straightforward windowed attention written here.
 #[test]
@@ -320,8 +321,9 @@ fn sliding_layers_keep_their_window_unless_the_policy_says_sliding() {
     let window = |pos: usize| -> Vec<usize> { (pos + 1 - w..=pos).collect() };
 
     // default: uncompressed window, zero error, W entries of memory
-    let knorm = PolicySpec::parse("knorm").unwrap().build().unwrap();
-    let r = replay_layer(&data, knorm.as_ref(), 2).unwrap();
+    let h2o = "h2o:recent=0,decode_evict=false";
+    let plain_h2o = PolicySpec::parse(h2o).unwrap().build().unwrap();
+    let r = replay_layer(&data, plain_h2o.as_ref(), 2).unwrap();
     for m in &r.metrics {
         assert_eq!(
             (m.rel_l2, m.kl, m.attn_mass),
@@ -336,9 +338,16 @@ fn sliding_layers_keep_their_window_unless_the_policy_says_sliding() {
     let kept_positions: Vec<usize> = r.retained.iter().map(|x| x.position).collect();
     assert_eq!(kept_positions, [5]);
 
-    // knorm+sliding: knorm keeps 2 prompt entries; queries see them only in the window
-    let k2 = kept("knorm", &data, 2)[0].clone();
-    let wrapped = PolicySpec::parse("knorm+sliding").unwrap().build().unwrap();
+    // h2o+sliding: h2o keeps 2 prompt entries; queries see them only in the window
+    let k2 = kept(h2o, &data, 2)[0].clone();
+    assert!(
+        k2.iter().all(|&j| j + w <= p),
+        "{k2:?}: both before the window"
+    );
+    let wrapped = PolicySpec::parse(&format!("{h2o}+sliding"))
+        .unwrap()
+        .build()
+        .unwrap();
     let r = replay_layer(&data, wrapped.as_ref(), 2).unwrap();
     for h in 0..2 {
         let mut err = 0.0;
