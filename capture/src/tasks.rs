@@ -302,7 +302,11 @@ pub fn prepare(
     } else {
         (t.text.clone(), 0)
     };
-    let (ids, offsets) = model.tokenizer.encode_with_offsets(&rendered)?;
+    let (ids, offsets) = if chat {
+        model.tokenizer.encode_chat(&rendered)?
+    } else {
+        model.tokenizer.encode_with_offsets(&rendered)?
+    };
     let spans = t
         .spans
         .iter()

@@ -132,6 +132,21 @@ pub fn rope_params(r: &kvreplay_traces::Rope) -> kvreplay_kernels::cpu::RopePara
         linear_factor: match r.scaling {
             kvreplay_traces::RopeScaling::None => 1.0,
             kvreplay_traces::RopeScaling::Linear { factor } => factor,
+            kvreplay_traces::RopeScaling::Llama3 { .. } => 1.0,
+        },
+        llama3: match r.scaling {
+            kvreplay_traces::RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => Some(kvreplay_kernels::cpu::Llama3Rope {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }),
+            _ => None,
         },
     }
 }
