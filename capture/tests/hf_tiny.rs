@@ -212,7 +212,10 @@ fn bytes_of(v: &[f32], dt: Dt) -> (safetensors::Dtype, Vec<u8>) {
     }
 }
 
-fn write_safetensors(path: &Path, tensors: &[(&String, &(Vec<usize>, Vec<f32>))], dt: Dt) {
+/// (name, (shape, values)) pairs of [`Tensors`].
+type Named<'a> = (&'a String, &'a (Vec<usize>, Vec<f32>));
+
+fn write_safetensors(path: &Path, tensors: &[Named<'_>], dt: Dt) {
     let data: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = tensors
         .iter()
         .map(|(n, (shape, v))| {
@@ -364,7 +367,8 @@ fn inv_freqs(s: &Spec) -> Vec<f64> {
             };
             let smooth = (old / wavelen - low) / (high - low);
             let smoothed = (1.0 - smooth) * inv / factor + smooth * inv;
-            let is_medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+            // `~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)`
+            let is_medium = wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen;
             if is_medium {
                 inv = smoothed;
             }
