@@ -3,7 +3,7 @@
 //! `tokenizer.json` and optionally `tokenizer_config.json`.
 //!
 //! `config.json` becomes the same [`LlamaConfig`] the GGUF path builds, for
-//! the families `llama`, `mistral`, `qwen2` and `qwen3`. Every field that
+//! the families `llama`, `mistral`, `qwen2`, `qwen3` and `gemma3_text`. Every field that
 //! changes the math is read; values this build cannot run (another
 //! activation, yarn/dynamic RoPE scaling, MLP biases, quantised weights, ...)
 //! are refused with an error naming the file and the field rather than
@@ -20,6 +20,15 @@
 //!   `use_sliding_window`, on layers `>= max_window_layers`.
 //! - qwen3: per-head RMSNorm `q_norm`/`k_norm` (plain `x / rms * w`) on q and
 //!   k before RoPE; `attention_bias` as llama; windows as qwen2.
+//! - gemma3_text (Gemma 3's text model): RMSNorm `x / rms * (1 + w)` on
+//!   every norm (the 1 is added at load, as llama.cpp's GGUF converter does),
+//!   q/k norms, `post_attention_layernorm` on the attention output and
+//!   `pre_`/`post_feedforward_layernorm` around the FFN, GELU-tanh
+//!   (`hidden_activation`), embeddings times sqrt(hidden_size), attention
+//!   scale `query_pre_attn_scalar^-0.5`, layer l full attention when
+//!   `(l + 1) % sliding_window_pattern == 0` (else window `sliding_window`
+//!   with RoPE base `rope_local_base_freq`, unscaled); tied by default.
+//!   The multimodal `gemma3` wrapper is refused.
 //! - `layer_types` (`full_attention` / `sliding_attention`), when present,
 //!   decides each layer's window instead of the rules above.
 //! - a sliding window W lets the query at t see keys `t - W + 1 ..= t`
@@ -36,7 +45,7 @@ use crate::llama::{Activation, LayerAttention, LayerWeights, Llama, LlamaConfig}
 use crate::CaptureError;
 
 /// `model_type`s of config.json this build can run.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma3_text"];
 
 /// Whether `path` looks like an HF checkpoint directory.
 pub fn is_checkpoint_dir(path: &Path) -> bool {
@@ -222,8 +231,8 @@ pub fn config_from_json(
         })?
         .to_string();
     if !SUPPORTED_MODEL_TYPES.contains(&model_type.as_str()) {
-        let hint = if model_type.starts_with("gemma") {
-            " (Gemma 3 runs from its GGUF file)"
+        let hint = if model_type == "gemma3" {
+            " (the multimodal Gemma 3 wrapper: pass a text-only checkpoint, model_type gemma3_text, or the GGUF file)"
         } else {
             ""
         };
@@ -273,14 +282,30 @@ pub fn config_from_json(
     let vocab_size = c.count("vocab_size")?;
     let context_length = c.count("max_position_embeddings")?;
     let norm_eps = c.f64("rms_norm_eps")? as f32;
-    let act = c
-        .opt_str("hidden_act")?
-        .or(c.opt_str("hidden_activation")?)
-        .unwrap_or("silu");
-    if act != "silu" {
+    let gemma = model_type == "gemma3_text";
+    let (act_field, act_default, act_want) = if gemma {
+        (
+            "hidden_activation",
+            "gelu_pytorch_tanh",
+            "gelu_pytorch_tanh (GeGLU)",
+        )
+    } else {
+        ("hidden_act", "silu", "silu (SwiGLU)")
+    };
+    let act = c.opt_str(act_field)?.unwrap_or(act_default);
+    if act != act_default {
+        return Err(c.err(act_field, format!("`{act}`; only {act_want} is supported")));
+    }
+    if c.opt_bool("use_bidirectional_attention")? == Some(true) {
         return Err(c.err(
-            "hidden_act",
-            format!("`{act}`; only silu (SwiGLU) is supported"),
+            "use_bidirectional_attention",
+            "true; only causal attention is supported",
+        ));
+    }
+    if gemma && c.get("rope_parameters").is_some() {
+        return Err(c.err(
+            "rope_parameters",
+            "set; for gemma3_text only the rope_theta / rope_local_base_freq / rope_scaling fields are supported",
         ));
     }
     if c.opt_bool("mlp_bias")? == Some(true) {
@@ -291,7 +316,8 @@ pub fn config_from_json(
             return Err(c.err(f, "set; logit softcapping is not supported"));
         }
     }
-    let tied = c.opt_bool("tie_word_embeddings")?.unwrap_or(false);
+    // transformers' default: tied for Gemma 3, untied for the others
+    let tied = c.opt_bool("tie_word_embeddings")?.unwrap_or(gemma);
     let attention_bias = c.opt_bool("attention_bias")?.unwrap_or(false);
     let biases = match model_type.as_str() {
         "qwen2" => (true, false),
@@ -302,6 +328,7 @@ pub fn config_from_json(
     // Per layer: sliding window or full attention.
     let window = match model_type.as_str() {
         "mistral" => c.opt_count("sliding_window")?,
+        "gemma3_text" => Some(c.count("sliding_window")?),
         "qwen2" | "qwen3" if c.opt_bool("use_sliding_window")? == Some(true) => {
             c.opt_count("sliding_window")?
         }
@@ -332,6 +359,13 @@ pub fn config_from_json(
                 })
                 .collect::<Result<_, _>>()?
         }
+        None if gemma => {
+            // Gemma 3: every `sliding_window_pattern`-th layer is full attention
+            let pattern = c.opt_count("sliding_window_pattern")?.unwrap_or(6);
+            (0..n_layers)
+                .map(|l| window.filter(|_| (l + 1) % pattern != 0))
+                .collect()
+        }
         None => {
             let first_sliding = match model_type.as_str() {
                 "qwen2" | "qwen3" => c.opt_count("max_window_layers")?.unwrap_or(0),
@@ -342,7 +376,23 @@ pub fn config_from_json(
                 .collect()
         }
     };
-    let qk_norm = model_type == "qwen3";
+    let qk_norm = model_type == "qwen3" || gemma;
+    // Gemma 3's sliding layers use their own base, unscaled.
+    let local_rope = if gemma {
+        RopeParams {
+            theta: c.opt_f64("rope_local_base_freq")?.unwrap_or(10_000.0),
+            linear_factor: 1.0,
+            llama3: None,
+            ..rope
+        }
+    } else {
+        rope
+    };
+    let attn_scale = if gemma {
+        (c.opt_f64("query_pre_attn_scalar")?.unwrap_or(256.0)).powf(-0.5) as f32
+    } else {
+        1.0 / (head_dim as f32).sqrt()
+    };
     let cfg = LlamaConfig {
         n_layers,
         d_model,
@@ -354,15 +404,24 @@ pub fn config_from_json(
         context_length,
         norm_eps,
         rope,
-        attn_scale: 1.0 / (head_dim as f32).sqrt(),
+        attn_scale,
         layer_attention: windows
             .into_iter()
-            .map(|window| LayerAttention { window, rope })
+            .map(|window| LayerAttention {
+                window,
+                rope: if window.is_some() { local_rope } else { rope },
+            })
             .collect(),
         qk_norm,
-        post_norms: false,
-        activation: Activation::Silu,
-        embed_scale: None,
+        post_norms: gemma,
+        activation: if gemma {
+            Activation::GeluTanh
+        } else {
+            Activation::Silu
+        },
+        // HF multiplies by hidden_size**0.5 cast to the weights' dtype; in
+        // f32 (our compute) that is the f32 square root, as the GGUF path.
+        embed_scale: gemma.then(|| (d_model as f32).sqrt()),
         permuted_qk: false,
     };
     Ok((model_type, cfg, tied, biases))
@@ -547,8 +606,20 @@ pub fn load_llama(
     let t = Tensors::open(dir)?;
     let (d, hd, f, v) = (cfg.d_model, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size);
     let (h, kv) = (cfg.n_heads, cfg.n_kv_heads);
+    // Gemma 3 (the only family with post norms) scales by (1 + w): add the 1
+    // here, so the forward pass applies x / rms(x) * w as for the others
+    // (what llama.cpp's converter does to Gemma GGUFs).
+    let gemma = cfg.post_norms;
+    let norm = |name: &str, n: usize| -> Result<Weight, CaptureError> {
+        let w = t.f32(name, &[n])?;
+        Ok(if gemma {
+            w.iter().map(|x| x + 1.0).collect::<Vec<f32>>().into()
+        } else {
+            w
+        })
+    };
     let embed = t.f32("model.embed_tokens.weight", &[v, d])?;
-    let out_norm = t.f32("model.norm.weight", &[d])?;
+    let out_norm = norm("model.norm.weight", d)?;
     let lm_head = if tied {
         None
     } else if t.has("lm_head.weight") {
@@ -570,12 +641,21 @@ pub fn load_llama(
                     Ok(None)
                 }
             };
+            let opt_norm = |on: bool, s: &str, n: usize| -> Result<Option<Weight>, CaptureError> {
+                if on {
+                    Ok(Some(norm(&p(s), n)?))
+                } else {
+                    Ok(None)
+                }
+            };
             Ok(LayerWeights {
-                attn_norm: t.f32(&p("input_layernorm.weight"), &[d])?,
-                q_norm: opt(cfg.qk_norm, "self_attn.q_norm.weight", hd)?,
-                k_norm: opt(cfg.qk_norm, "self_attn.k_norm.weight", hd)?,
-                post_attn_norm: None,
-                post_ffn_norm: None,
+                attn_norm: norm(&p("input_layernorm.weight"), d)?,
+                q_norm: opt_norm(cfg.qk_norm, "self_attn.q_norm.weight", hd)?,
+                k_norm: opt_norm(cfg.qk_norm, "self_attn.k_norm.weight", hd)?,
+                // Gemma: post_attention_layernorm is the attention output's
+                // norm; pre_feedforward_layernorm the FFN input's.
+                post_attn_norm: opt_norm(gemma, "post_attention_layernorm.weight", d)?,
+                post_ffn_norm: opt_norm(gemma, "post_feedforward_layernorm.weight", d)?,
                 wq: t.f32(&p("self_attn.q_proj.weight"), &[h * hd, d])?,
                 wk: t.f32(&p("self_attn.k_proj.weight"), &[kv * hd, d])?,
                 wv: t.f32(&p("self_attn.v_proj.weight"), &[kv * hd, d])?,
@@ -584,7 +664,14 @@ pub fn load_llama(
                 bk: opt(biases.0, "self_attn.k_proj.bias", kv * hd)?,
                 bv: opt(biases.0, "self_attn.v_proj.bias", kv * hd)?,
                 bo: opt(biases.1, "self_attn.o_proj.bias", d)?,
-                ffn_norm: t.f32(&p("post_attention_layernorm.weight"), &[d])?,
+                ffn_norm: norm(
+                    &p(if gemma {
+                        "pre_feedforward_layernorm.weight"
+                    } else {
+                        "post_attention_layernorm.weight"
+                    }),
+                    d,
+                )?,
                 w_gate: t.f32(&p("mlp.gate_proj.weight"), &[f, d])?,
                 w_up: t.f32(&p("mlp.up_proj.weight"), &[f, d])?,
                 w_down: t.f32(&p("mlp.down_proj.weight"), &[d, f])?,

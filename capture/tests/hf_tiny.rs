@@ -707,9 +707,9 @@ fn bad_checkpoints_are_refused_naming_file_and_field() {
     );
 
     let d = fresh("gemma", qwen2());
-    edit_config(&d, |v| v["model_type"] = json!("gemma3_text"));
+    edit_config(&d, |v| v["model_type"] = json!("gemma3"));
     let e = err_of(&d);
-    assert!(e.contains("gemma3_text") && e.contains("GGUF"), "{e}");
+    assert!(e.contains("`gemma3`") && e.contains("gemma3_text"), "{e}");
 
     let d = fresh("yarn", qwen2());
     edit_config(&d, |v| {
@@ -793,4 +793,157 @@ fn bad_checkpoints_are_refused_naming_file_and_field() {
     std::fs::remove_file(d.join("config.json")).unwrap();
     let e = err_of(&d);
     assert!(e.contains("config.json"), "{e}");
+}
+
+/// Gemma 3 from HF: the tiny gemma3 GGUF's weights written as a
+/// `gemma3_text` checkpoint (norms stored as HF's `w` of `(1 + w)`, i.e. the
+/// GGUF's value minus 1) must load to the same architecture and compute the
+/// same q/k/v/o as the GGUF path (itself checked against
+/// scripts/reference_gemma3.py on the real Gemma 3 270M).
+#[test]
+fn gemma3_text_checkpoint_matches_the_gemma3_gguf() {
+    use kvreplay_capture::testing::{tiny_gemma3_gguf, GEMMA3_WINDOW};
+    let tmp = tempfile::tempdir().unwrap();
+    let g = Model::load(&tiny_gemma3_gguf(tmp.path())).unwrap();
+    let c = &g.llama.cfg;
+    let mut t = Tensors::new();
+    let mut put = |name: String, shape: Vec<usize>, w: &[f32], minus_one: bool| {
+        let v = w
+            .iter()
+            .map(|x| if minus_one { x - 1.0 } else { *x })
+            .collect();
+        t.insert(name, (shape, v));
+    };
+    let (d, hd, f, v) = (c.d_model, c.head_dim, c.ffn_dim, c.vocab_size);
+    let (h, kv) = (c.n_heads, c.n_kv_heads);
+    let m = &g.llama;
+    put(
+        "model.embed_tokens.weight".into(),
+        vec![v, d],
+        &m.embed,
+        false,
+    );
+    put("model.norm.weight".into(), vec![d], &m.out_norm, true);
+    if let Some(head) = &m.lm_head {
+        put("lm_head.weight".into(), vec![v, d], head, false);
+    }
+    for (l, w) in m.layers.iter().enumerate() {
+        let p = |x: &str| format!("model.layers.{l}.{x}");
+        put(p("input_layernorm.weight"), vec![d], &w.attn_norm, true);
+        put(
+            p("post_attention_layernorm.weight"),
+            vec![d],
+            w.post_attn_norm.as_ref().unwrap(),
+            true,
+        );
+        put(
+            p("pre_feedforward_layernorm.weight"),
+            vec![d],
+            &w.ffn_norm,
+            true,
+        );
+        put(
+            p("post_feedforward_layernorm.weight"),
+            vec![d],
+            w.post_ffn_norm.as_ref().unwrap(),
+            true,
+        );
+        put(
+            p("self_attn.q_norm.weight"),
+            vec![hd],
+            w.q_norm.as_ref().unwrap(),
+            true,
+        );
+        put(
+            p("self_attn.k_norm.weight"),
+            vec![hd],
+            w.k_norm.as_ref().unwrap(),
+            true,
+        );
+        put(p("self_attn.q_proj.weight"), vec![h * hd, d], &w.wq, false);
+        put(p("self_attn.k_proj.weight"), vec![kv * hd, d], &w.wk, false);
+        put(p("self_attn.v_proj.weight"), vec![kv * hd, d], &w.wv, false);
+        put(p("self_attn.o_proj.weight"), vec![d, h * hd], &w.wo, false);
+        put(p("mlp.gate_proj.weight"), vec![f, d], &w.w_gate, false);
+        put(p("mlp.up_proj.weight"), vec![f, d], &w.w_up, false);
+        put(p("mlp.down_proj.weight"), vec![d, f], &w.w_down, false);
+    }
+    let dir = tmp.path().join("gemma3-hf");
+    std::fs::create_dir_all(&dir).unwrap();
+    let all: Vec<_> = t.iter().collect();
+    write_safetensors(&dir.join("model.safetensors"), &all, Dt::F32);
+    let cfg = json!({
+        "model_type": "gemma3_text",
+        "hidden_size": d, "intermediate_size": f, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": h, "num_key_value_heads": kv, "head_dim": hd,
+        "vocab_size": v, "max_position_embeddings": c.context_length,
+        "rms_norm_eps": c.norm_eps, "rope_theta": c.rope.theta, "rope_local_base_freq": 10000.0,
+        "rope_scaling": null, "sliding_window": GEMMA3_WINDOW, "sliding_window_pattern": 6,
+        "query_pre_attn_scalar": hd, "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": null, "final_logit_softcapping": null,
+        "tie_word_embeddings": m.lm_head.is_none(), "attention_bias": false,
+    });
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), tokenizer_json().to_string()).unwrap();
+    let hm = Model::load(&dir).unwrap();
+    assert_eq!(hm.architecture, "gemma3_text");
+    let hc = &hm.llama.cfg;
+    assert_eq!(hc.layer_attention, c.layer_attention);
+    assert_eq!(hc.rope, c.rope);
+    assert!((hc.attn_scale - c.attn_scale).abs() <= 1e-7 * c.attn_scale);
+    assert_eq!(
+        (
+            hc.qk_norm,
+            hc.post_norms,
+            hc.activation,
+            hc.embed_scale,
+            hc.permuted_qk
+        ),
+        (
+            c.qk_norm,
+            c.post_norms,
+            c.activation,
+            c.embed_scale,
+            c.permuted_qk
+        )
+    );
+    // more positions than the window, so sliding layers cut keys off
+    let ids: Vec<u32> = (0..11).map(|i| (i * 7 + 3) % v as u32).collect();
+    let run = |mm: &Model| {
+        let mut cache = KvCache::new(&mm.llama.cfg, ids.len());
+        let mut taps = Vec::new();
+        let logits = mm
+            .llama
+            .forward(
+                &ids,
+                0,
+                &mut cache,
+                ForwardOptions {
+                    colsum: None,
+                    probs: false,
+                    attention: None,
+                },
+                &mut |tap| {
+                    taps.push([
+                        tap.q.to_vec(),
+                        tap.k.to_vec(),
+                        tap.v.to_vec(),
+                        tap.o.to_vec(),
+                    ])
+                },
+            )
+            .unwrap();
+        (taps, logits)
+    };
+    let ((ta, la), (tb, lb)) = (run(&g), run(&hm));
+    let f64s = |x: &[f32]| x.iter().map(|v| *v as f64).collect::<Vec<_>>();
+    let mut worst = 0f64;
+    for (a, b) in ta.iter().zip(&tb) {
+        for (x, y) in a.iter().zip(b) {
+            worst = worst.max(rel_l2(y, &f64s(x)));
+        }
+    }
+    let el = rel_l2(&lb, &f64s(&la));
+    eprintln!("gemma3_text vs gemma3 GGUF: q/k/v/o worst relative L2 {worst:.2e}, logits {el:.2e}");
+    assert!(worst < TOL && el < TOL, "{worst:.2e} {el:.2e}");
 }
