@@ -118,4 +118,21 @@ fn hf_checkpoint_converted_from_the_gguf_captures_the_same() {
     );
     let t = Trace::open(&out).unwrap();
     assert_eq!(t.manifest.model.source.file_name, "smollm2-hf");
+    // validate reruns the model from the directory (its fingerprint matches)
+    let vout = tmp.path().join("validate");
+    let o = kvreplay(&[
+        "validate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--trace",
+        out.to_str().unwrap(),
+        "--policy",
+        "streaming_llm",
+        "--budget",
+        "4",
+        "--out",
+        vout.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "validate --model DIR failed:\n{}", text(&o));
+    assert!(vout.join("summary.json").exists(), "{}", text(&o));
 }
