@@ -133,6 +133,10 @@ fn hf_checkpoint_converted_from_the_gguf_captures_the_same() {
         "--out",
         vout.to_str().unwrap(),
     ]);
-    assert!(o.status.success(), "validate --model DIR failed:\n{}", text(&o));
+    assert!(
+        o.status.success(),
+        "validate --model DIR failed:\n{}",
+        text(&o)
+    );
     assert!(vout.join("summary.json").exists(), "{}", text(&o));
 }

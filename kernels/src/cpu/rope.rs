@@ -302,4 +302,34 @@ mod tests {
         assert_eq!(&x[2..], &[5.0, 6.0]);
         assert!((x[0] - 3f32.cos()).abs() < 1e-6 && (x[1] - 3f32.sin()).abs() < 1e-6);
     }
+
+    #[test]
+    fn llama3_scaling_keeps_high_divides_low_and_interpolates_between() {
+        // Llama 3.1's parameters: factor 8, low 1, high 4, original context 8192.
+        let l3 = Llama3Rope {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        };
+        let tau = 2.0 * std::f64::consts::PI;
+        // wavelength 100 < 8192 / 4: kept
+        assert_eq!(l3.scale(tau / 100.0), tau / 100.0);
+        // wavelength 10,000 > 8192: divided by 8
+        assert_eq!(l3.scale(tau / 10_000.0), tau / 10_000.0 / 8.0);
+        // wavelength 4096: smooth = (8192 / 4096 - 1) / 3 = 1/3
+        let f = tau / 4096.0;
+        let want = (1.0 - 1.0 / 3.0) * f / 8.0 + f / 3.0;
+        assert!((l3.scale(f) - want).abs() < 1e-15 * want.abs().max(1.0));
+        // the angle uses it
+        let p = RopeParams {
+            theta: 500_000.0,
+            style: RopeStyle::Neox,
+            rotated_dims: 128,
+            linear_factor: 1.0,
+            llama3: Some(l3),
+        };
+        let inv = 500_000f64.powf(-(2.0 * 40.0) / 128.0);
+        assert_eq!(p.angle(7, 40), 7.0 * l3.scale(inv));
+    }
 }
