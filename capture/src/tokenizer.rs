@@ -50,6 +50,11 @@ pub struct Tokenizer {
     /// Add the special tokens of the tokenizer's post-processor (BOS...)
     /// when encoding plain text (HF `tokenizer.json`; GGUF BPE: no).
     add_special: bool,
+    /// HF Llama/Gemma tokenizer classes rebuild their post-processor from
+    /// `add_bos_token`/`add_eos_token` (transformers' `update_post_processor`):
+    /// when set, plain text gets these (BOS first, EOS last) instead of the
+    /// tokenizer.json post-processor's special tokens.
+    bos_eos_override: Option<(Option<u32>, Option<u32>)>,
 }
 
 /// Instructions a chat template may run for one message (minijinja fuel).
@@ -70,6 +75,7 @@ impl Tokenizer {
                 inner: Inner::Spm(spm),
                 source: g.path.clone(),
                 add_special: false,
+                bos_eos_override: None,
                 chat_template: g
                     .get("tokenizer.chat_template")
                     .and_then(|v| v.as_str())
@@ -188,6 +194,7 @@ impl Tokenizer {
             tokens,
             source: g.path.clone(),
             add_special: false,
+            bos_eos_override: None,
             chat_template: g
                 .get("tokenizer.chat_template")
                 .and_then(|v| v.as_str())
@@ -250,13 +257,34 @@ impl Tokenizer {
             chat_template =
                 Some(std::fs::read_to_string(&jinja).map_err(|e| CaptureError::io(&jinja, e))?);
         }
+        let (bos, eos) = (special("bos_token"), special("eos_token"));
+        let class = tc
+            .as_ref()
+            .and_then(|t| t.get("tokenizer_class"))
+            .and_then(|c| c.as_str())
+            .unwrap_or("");
+        let flag = |k: &str| tc.as_ref().and_then(|t| t.get(k)).and_then(|v| v.as_bool());
+        let rebuilds = matches!(
+            class.trim_end_matches("Fast"),
+            "LlamaTokenizer" | "GemmaTokenizer" | "CodeLlamaTokenizer"
+        );
+        let bos_eos_override = match (flag("add_bos_token"), flag("add_eos_token")) {
+            (None, None) => None,
+            _ if !rebuilds => None,
+            // transformers' defaults: add_bos_token true, add_eos_token false
+            (b, e) => Some((
+                bos.filter(|_| b.unwrap_or(true)),
+                eos.filter(|_| e.unwrap_or(false)),
+            )),
+        };
         Ok(Tokenizer {
-            bos: special("bos_token"),
-            eos: special("eos_token"),
+            bos,
+            eos,
             tokens,
             chat_template,
             source: tc_path,
             add_special: true,
+            bos_eos_override,
             inner: Inner::Bpe(Box::new(inner)),
         })
     }
@@ -284,6 +312,18 @@ impl Tokenizer {
     }
 
     fn encode_impl(&self, text: &str, add_special: bool) -> Result<Encoded, CaptureError> {
+        if let (true, Some((bos, eos))) = (add_special, self.bos_eos_override) {
+            let (mut ids, mut offs) = self.encode_impl(text, false)?;
+            if let Some(b) = bos {
+                ids.insert(0, b);
+                offs.insert(0, (0, 0));
+            }
+            if let Some(e) = eos {
+                ids.push(e);
+                offs.push((text.len(), text.len()));
+            }
+            return Ok((ids, offs));
+        }
         match &self.inner {
             Inner::Bpe(t) => {
                 let enc = t

@@ -665,6 +665,42 @@ fn chat_template_renders_and_is_encoded_without_a_second_bos() {
     assert_eq!(m.tokenizer.bos, Some(0));
 }
 
+#[test]
+fn llama_tokenizer_classes_follow_add_bos_token_and_add_eos_token() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_checkpoint(tmp.path(), &qwen2());
+    let tc = tmp.path().join("tokenizer_config.json");
+    let enc = |cfg: Value| {
+        std::fs::write(&tc, cfg.to_string()).unwrap();
+        Model::load(tmp.path())
+            .unwrap()
+            .tokenizer
+            .encode("w4 w5")
+            .unwrap()
+    };
+    // no flags: tokenizer.json's post-processor (BOS)
+    assert_eq!(
+        enc(json!({"bos_token": "<s>", "eos_token": "<unk>"})),
+        vec![0, 6, 7]
+    );
+    // a Llama class rebuilds it from the flags
+    assert_eq!(
+        enc(
+            json!({"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "<unk>",
+                   "add_bos_token": false, "add_eos_token": true})
+        ),
+        vec![6, 7, 1]
+    );
+    // other classes keep tokenizer.json's post-processor
+    assert_eq!(
+        enc(
+            json!({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                   "add_bos_token": false})
+        ),
+        vec![0, 6, 7]
+    );
+}
+
 fn err_of(dir: &Path) -> String {
     match Model::load(dir) {
         Ok(_) => panic!("{} loaded", dir.display()),
