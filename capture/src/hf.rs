@@ -568,19 +568,20 @@ impl Tensors {
                 t.shape()
             )));
         }
+        use rayon::prelude::*;
         use safetensors::Dtype;
         let d = t.data();
         let out: Vec<f32> = match t.dtype() {
             Dtype::F32 => d
-                .chunks_exact(4)
+                .par_chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect(),
             Dtype::F16 => d
-                .chunks_exact(2)
+                .par_chunks_exact(2)
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
             Dtype::BF16 => d
-                .chunks_exact(2)
+                .par_chunks_exact(2)
                 .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
             other => {
@@ -589,7 +590,7 @@ impl Tensors {
                 )))
             }
         };
-        if out.iter().any(|x| !x.is_finite()) {
+        if out.par_iter().any(|x| !x.is_finite()) {
             return Err(terr("holds NaN or infinite values".into()));
         }
         Ok(out.into())
