@@ -306,6 +306,13 @@ impl Tokenizer {
         self.encode_impl(rendered, false)
     }
 
+    /// Token ids of `text` without the special tokens an HF tokenizer adds
+    /// to plain text (for counting the tokens of a piece of a longer prompt;
+    /// the other tokenizers encode as [`Tokenizer::encode`]).
+    pub fn encode_piece(&self, text: &str) -> Result<Vec<u32>, CaptureError> {
+        Ok(self.encode_impl(text, false)?.0)
+    }
+
     /// Token ids of `text` and each token's byte range in it.
     pub fn encode_with_offsets(&self, text: &str) -> Result<Encoded, CaptureError> {
         self.encode_impl(text, self.add_special)
