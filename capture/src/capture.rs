@@ -114,9 +114,12 @@ pub fn capture(
             ids.clone()
         }
         None if opts.prompt.is_empty() => return Err(CaptureError::EmptyPrompt),
-        None if opts.chat => model
-            .tokenizer
-            .encode(&model.tokenizer.apply_chat_template(&opts.prompt)?)?,
+        None if opts.chat => {
+            model
+                .tokenizer
+                .encode_chat(&model.tokenizer.apply_chat_template(&opts.prompt)?)?
+                .0
+        }
         None => model.tokenizer.encode(&opts.prompt)?,
     };
     let p = ids.len();
@@ -262,12 +265,15 @@ pub fn capture(
                     kvreplay_kernels::cpu::RopeStyle::Interleaved => RopeStyle::Interleaved,
                 },
                 rotated_dims: cfg.rope.rotated_dims,
-                scaling: if cfg.rope.linear_factor == 1.0 {
-                    RopeScaling::None
-                } else {
-                    RopeScaling::Linear {
-                        factor: cfg.rope.linear_factor,
-                    }
+                scaling: match (cfg.rope.llama3, cfg.rope.linear_factor) {
+                    (Some(l3), _) => RopeScaling::Llama3 {
+                        factor: l3.factor,
+                        low_freq_factor: l3.low_freq_factor,
+                        high_freq_factor: l3.high_freq_factor,
+                        original_max_position_embeddings: l3.original_max_position_embeddings,
+                    },
+                    (None, factor) if factor != 1.0 => RopeScaling::Linear { factor },
+                    (None, _) => RopeScaling::None,
                 },
             },
             source: model.source.clone(),

@@ -42,6 +42,12 @@ pub enum CaptureError {
         tensor: String,
         msg: String,
     },
+    #[error("{path}: field `{field}` is {problem}")]
+    Config {
+        path: PathBuf,
+        field: String,
+        problem: String,
+    },
     #[error("{path}: unsupported model feature: {msg}")]
     Unsupported { path: PathBuf, msg: String },
     #[error("tokenizer: {0}")]

@@ -1,7 +1,7 @@
-//! Capture: run a GGUF llama-family model once and write a kvreplay trace.
+//! Capture: run a llama-family model once and write a kvreplay trace.
 //!
 //! `Model::load` reads a GGUF file (metadata, tokenizer, dequantised f32
-//! weights); `capture` tokenizes a prompt, prefills in chunks, decodes
+//! weights) or an HF transformers checkpoint directory (see [`hf`]); `capture` tokenizes a prompt, prefills in chunks, decodes
 //! greedily, and streams every layer's post-RoPE q/k/v and per-head attention
 //! output into a trace (see the `kvreplay-traces` crate). Compute goes
 //! through the `kvreplay-kernels` crate.
@@ -10,6 +10,7 @@ mod capture;
 mod error;
 mod files;
 pub mod gguf;
+pub mod hf;
 pub mod llama;
 pub mod resume;
 pub mod tasks;
@@ -33,7 +34,11 @@ pub struct Model {
 }
 
 impl Model {
+    /// Load a GGUF file, or an HF checkpoint when `path` is a directory.
     pub fn load(path: &Path) -> Result<Model, CaptureError> {
+        if hf::is_checkpoint_dir(path) {
+            return Model::load_hf(path);
+        }
         let g = gguf::GgufFile::open(path)?;
         let llama = llama::Llama::from_gguf(&g)?;
         let tokenizer = tokenizer::Tokenizer::from_gguf(&g)?;
@@ -67,6 +72,43 @@ impl Model {
                     .unwrap_or_default(),
                 sha256,
                 size: g.bytes().len() as u64,
+            },
+            llama,
+            tokenizer,
+        })
+    }
+
+    /// Load an HF transformers checkpoint directory (see [`hf`]).
+    pub fn load_hf(dir: &Path) -> Result<Model, CaptureError> {
+        let (model_type, cfg, tied, biases) = hf::read_config(dir)?;
+        let tokenizer = tokenizer::Tokenizer::from_hf(dir)?;
+        if tokenizer.vocab_size() > cfg.vocab_size {
+            return Err(CaptureError::Config {
+                path: dir.join("config.json"),
+                field: "vocab_size".into(),
+                problem: format!(
+                    "{}, but tokenizer.json holds {} tokens",
+                    cfg.vocab_size,
+                    tokenizer.vocab_size()
+                ),
+            });
+        }
+        let llama = hf::load_llama(dir, cfg, tied, biases)?;
+        let (sha256, size) = hf::fingerprint(dir)?;
+        Ok(Model {
+            architecture: model_type,
+            name: hf::model_name(dir),
+            source: kvreplay_traces::SourceFile {
+                file_name: dir
+                    .canonicalize()
+                    .ok()
+                    .as_deref()
+                    .unwrap_or(dir)
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                sha256,
+                size,
             },
             llama,
             tokenizer,

@@ -108,6 +108,11 @@ pub struct LayerWeights {
     pub wk: Weight,                     // (n_kv_heads * head_dim, d_model), HF row order
     pub wv: Weight,                     // (n_kv_heads * head_dim, d_model)
     pub wo: Weight,                     // (d_model, n_heads * head_dim)
+    /// Projection biases (HF qwen2's q/k/v, llama's `attention_bias`).
+    pub bq: Option<Weight>, // (n_heads * head_dim,)
+    pub bk: Option<Weight>,             // (n_kv_heads * head_dim,)
+    pub bv: Option<Weight>,             // (n_kv_heads * head_dim,)
+    pub bo: Option<Weight>,             // (d_model,)
     pub ffn_norm: Weight,               // (d_model,)
     pub w_gate: Weight,                 // (ffn_dim, d_model)
     pub w_up: Weight,                   // (ffn_dim, d_model)
@@ -257,6 +262,7 @@ impl LlamaConfig {
             style: RopeStyle::Neox,
             rotated_dims,
             linear_factor,
+            llama3: None,
         };
         let window = if gemma3 {
             Some(g.count(&k("attention.sliding_window"))?)
@@ -365,6 +371,10 @@ impl Llama {
                     wk: qk("attn_k", cfg.n_kv_heads)?,
                     wv: t("attn_v", &[d, kv * hd])?.into(),
                     wo: t("attn_output", &[h * hd, d])?.into(),
+                    bq: None,
+                    bk: None,
+                    bv: None,
+                    bo: None,
                     ffn_norm: t("ffn_norm", &[d])?.into(),
                     w_gate: t("ffn_gate", &[d, f])?.into(),
                     w_up: t("ffn_up", &[d, f])?.into(),
@@ -533,6 +543,13 @@ impl Llama {
                 probs,
             });
         };
+        // A bias (n,) added to every row of x (c, n).
+        let add_bias = |x: &mut Buf, b: &Option<Weight>| -> Result<(), KernelError> {
+            if let Some(b) = b {
+                be.add_assign(x, &be.upload(&b.repeat(c))?)?;
+            }
+            Ok(())
+        };
         // x: (c, d_model) residual stream
         let mut x = be.embed(&self.embed, dm, tokens)?;
         if let Some(s) = cfg.embed_scale {
@@ -548,7 +565,10 @@ impl Llama {
             let h = be.norm(&x, &w.attn_norm, cfg.norm_eps)?;
             let mut q = be.matmul(&h, &w.wq, c, dm, nh * hd)?; // (c, n_heads * head_dim)
             let mut k = be.matmul(&h, &w.wk, c, dm, nkv * hd)?; // (c, n_kv_heads * head_dim)
-            let v = be.matmul(&h, &w.wv, c, dm, nkv * hd)?;
+            let mut v = be.matmul(&h, &w.wv, c, dm, nkv * hd)?;
+            add_bias(&mut q, &w.bq)?;
+            add_bias(&mut k, &w.bk)?;
+            add_bias(&mut v, &w.bv)?;
             // Per-head RMSNorm: rows of head_dim.
             if let Some(qn) = &w.q_norm {
                 q = be.norm(&q, qn, cfg.norm_eps)?;
@@ -619,6 +639,7 @@ impl Llama {
             };
             let o_rows = be.transpose_heads(&o, c, nh, hd, false)?;
             let mut attn = be.matmul(&o_rows, &w.wo, c, nh * hd, dm)?;
+            add_bias(&mut attn, &w.bo)?;
             if let Some(pn) = &w.post_attn_norm {
                 attn = be.norm(&attn, pn, cfg.norm_eps)?;
             }

@@ -41,7 +41,7 @@ fn filler(model: &Model, n_tokens: usize) -> Result<Vec<String>, CaptureError> {
     let mut i = 0usize;
     while count < n_tokens {
         let s = FILLER[(i * 5 + i / FILLER.len()) % FILLER.len()].to_string();
-        count += model.tokenizer.encode(&format!(" {s}"))?.len();
+        count += model.tokenizer.encode_piece(&format!(" {s}"))?.len();
         out.push(s);
         i += 1;
     }
@@ -250,7 +250,7 @@ fn multifact(model: &Model, length: usize, facts: usize) -> Result<TaskPrompt, C
     );
     let fixed: usize = model.tokenizer.encode(&format!("{head} {question}"))?.len()
         + (0..facts)
-            .map(|i| model.tokenizer.encode(&fact(i)).map(|v| v.len()))
+            .map(|i| model.tokenizer.encode_piece(&fact(i)).map(|v| v.len()))
             .sum::<Result<usize, _>>()?;
     let body = filler(model, length.saturating_sub(fixed + 2))?;
     too_short("multifact", length, fixed, &body)?;
@@ -302,7 +302,11 @@ pub fn prepare(
     } else {
         (t.text.clone(), 0)
     };
-    let (ids, offsets) = model.tokenizer.encode_with_offsets(&rendered)?;
+    let (ids, offsets) = if chat {
+        model.tokenizer.encode_chat(&rendered)?
+    } else {
+        model.tokenizer.encode_with_offsets(&rendered)?
+    };
     let spans = t
         .spans
         .iter()

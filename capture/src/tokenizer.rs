@@ -55,6 +55,14 @@ pub struct Tokenizer {
     chat_template: Option<String>,
     /// The model file, named in chat template errors.
     source: std::path::PathBuf,
+    /// Add the special tokens of the tokenizer's post-processor (BOS...)
+    /// when encoding plain text (HF `tokenizer.json`; GGUF BPE: no).
+    add_special: bool,
+    /// HF Llama/Gemma tokenizer classes rebuild their post-processor from
+    /// `add_bos_token`/`add_eos_token` (transformers' `update_post_processor`):
+    /// when set, plain text gets these (BOS first, EOS last) instead of the
+    /// tokenizer.json post-processor's special tokens.
+    bos_eos_override: Option<(Option<u32>, Option<u32>)>,
 }
 
 /// Instructions a chat template may run for one message (minijinja fuel).
@@ -74,6 +82,8 @@ impl Tokenizer {
                 tokens: spm.pieces.clone(),
                 inner: Inner::Spm(Box::new(spm)),
                 source: g.path.clone(),
+                add_special: false,
+                bos_eos_override: None,
                 chat_template: g
                     .get("tokenizer.chat_template")
                     .and_then(|v| v.as_str())
@@ -191,10 +201,99 @@ impl Tokenizer {
             eos: id("tokenizer.ggml.eos_token_id"),
             tokens,
             source: g.path.clone(),
+            add_special: false,
+            bos_eos_override: None,
             chat_template: g
                 .get("tokenizer.chat_template")
                 .and_then(|v| v.as_str())
                 .map(String::from),
+        })
+    }
+
+    /// An HF checkpoint's tokenizer: `tokenizer.json` through the
+    /// `tokenizers` crate, with BOS/EOS and the chat template from
+    /// `tokenizer_config.json` (or `chat_template.jinja`) when present.
+    /// Plain text is encoded with the tokenizer's special tokens (its
+    /// post-processor, as transformers' `add_special_tokens=True`); a rendered
+    /// chat template without (it writes its own BOS), as
+    /// `apply_chat_template` does.
+    pub fn from_hf(dir: &std::path::Path) -> Result<Tokenizer, CaptureError> {
+        let tj = dir.join("tokenizer.json");
+        if !tj.exists() {
+            return Err(CaptureError::Io {
+                path: tj,
+                err: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "missing; the checkpoint needs its tokenizer.json",
+                ),
+            });
+        }
+        let inner = tokenizers::Tokenizer::from_file(&tj).map_err(|e| CaptureError::Config {
+            path: tj.clone(),
+            field: "(file)".into(),
+            problem: format!("not a tokenizer the tokenizers crate reads: {e}"),
+        })?;
+        let n = inner.get_vocab_size(true);
+        let tokens: Vec<String> = (0..n as u32)
+            .map(|i| inner.id_to_token(i).unwrap_or_default())
+            .collect();
+        let tc_path = dir.join("tokenizer_config.json");
+        let tc = if tc_path.exists() {
+            Some(crate::hf::read_json_file(&tc_path)?)
+        } else {
+            None
+        };
+        let special = |key: &str| -> Option<u32> {
+            let v = tc.as_ref()?.get(key)?;
+            let s = v
+                .as_str()
+                .or_else(|| v.get("content").and_then(|c| c.as_str()))?;
+            inner.token_to_id(s)
+        };
+        let mut chat_template = match tc.as_ref().and_then(|t| t.get("chat_template")) {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .and_then(|t| t.get("template"))
+                .and_then(|t| t.as_str())
+                .map(String::from),
+            _ => None,
+        };
+        let jinja = dir.join("chat_template.jinja");
+        if chat_template.is_none() && jinja.is_file() {
+            chat_template =
+                Some(std::fs::read_to_string(&jinja).map_err(|e| CaptureError::io(&jinja, e))?);
+        }
+        let (bos, eos) = (special("bos_token"), special("eos_token"));
+        let class = tc
+            .as_ref()
+            .and_then(|t| t.get("tokenizer_class"))
+            .and_then(|c| c.as_str())
+            .unwrap_or("");
+        let flag = |k: &str| tc.as_ref().and_then(|t| t.get(k)).and_then(|v| v.as_bool());
+        let rebuilds = matches!(
+            class.trim_end_matches("Fast"),
+            "LlamaTokenizer" | "GemmaTokenizer" | "CodeLlamaTokenizer"
+        );
+        let bos_eos_override = match (flag("add_bos_token"), flag("add_eos_token")) {
+            (None, None) => None,
+            _ if !rebuilds => None,
+            // transformers' defaults: add_bos_token true, add_eos_token false
+            (b, e) => Some((
+                bos.filter(|_| b.unwrap_or(true)),
+                eos.filter(|_| e.unwrap_or(false)),
+            )),
+        };
+        Ok(Tokenizer {
+            bos,
+            eos,
+            tokens,
+            chat_template,
+            source: tc_path,
+            add_special: true,
+            bos_eos_override,
+            inner: Inner::Bpe(Box::new(inner)),
         })
     }
 
@@ -209,12 +308,41 @@ impl Tokenizer {
         Ok(self.encode_with_offsets(text)?.0)
     }
 
+    /// Token ids of text rendered by [`Tokenizer::apply_chat_template`]
+    /// (which writes its own special tokens: an HF tokenizer adds none).
+    pub fn encode_chat(&self, rendered: &str) -> Result<Encoded, CaptureError> {
+        self.encode_impl(rendered, false)
+    }
+
+    /// Token ids of `text` without the special tokens an HF tokenizer adds
+    /// to plain text (for counting the tokens of a piece of a longer prompt;
+    /// the other tokenizers encode as [`Tokenizer::encode`]).
+    pub fn encode_piece(&self, text: &str) -> Result<Vec<u32>, CaptureError> {
+        Ok(self.encode_impl(text, false)?.0)
+    }
+
     /// Token ids of `text` and each token's byte range in it.
     pub fn encode_with_offsets(&self, text: &str) -> Result<Encoded, CaptureError> {
+        self.encode_impl(text, self.add_special)
+    }
+
+    fn encode_impl(&self, text: &str, add_special: bool) -> Result<Encoded, CaptureError> {
+        if let (true, Some((bos, eos))) = (add_special, self.bos_eos_override) {
+            let (mut ids, mut offs) = self.encode_impl(text, false)?;
+            if let Some(b) = bos {
+                ids.insert(0, b);
+                offs.insert(0, (0, 0));
+            }
+            if let Some(e) = eos {
+                ids.push(e);
+                offs.push((text.len(), text.len()));
+            }
+            return Ok((ids, offs));
+        }
         match &self.inner {
             Inner::Bpe(t) => {
                 let enc = t
-                    .encode(text, false)
+                    .encode(text, add_special)
                     .map_err(|e| CaptureError::Tokenizer(e.to_string()))?;
                 Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
             }

@@ -28,6 +28,7 @@ fn model(n_layers: usize, n_heads: usize, n_kv_heads: usize) -> Llama {
         style: RopeStyle::Neox,
         rotated_dims: hd,
         linear_factor: 1.0,
+        llama3: None,
     };
     let cfg = LlamaConfig {
         n_layers,
@@ -60,6 +61,10 @@ fn model(n_layers: usize, n_heads: usize, n_kv_heads: usize) -> Llama {
             wk: w(n_kv_heads * hd * d, 10 * l + 2),
             wv: w(n_kv_heads * hd * d, 10 * l + 3),
             wo: w(d * n_heads * hd, 10 * l + 4),
+            bq: None,
+            bk: None,
+            bv: None,
+            bo: None,
             ffn_norm: Weight::new(vec![1.0; d]),
             w_gate: w(f * d, 10 * l + 5),
             w_up: w(f * d, 10 * l + 6),

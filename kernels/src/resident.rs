@@ -472,6 +472,7 @@ mod tests {
             style: crate::cpu::RopeStyle::Neox,
             rotated_dims: 6,
             linear_factor: 1.0,
+            llama3: None,
         };
         let mut x = vec![1.0f32; 8]; // (2 rows, 1 head, head_dim 4)
         let e = be.rope(&mut x, 1, 4, 0, &p, 1.0).unwrap_err();

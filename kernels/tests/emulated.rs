@@ -631,6 +631,7 @@ fn emu_rope() {
                 style,
                 rotated_dims: rot,
                 linear_factor: 1.0,
+                llama3: None,
             };
             let table = cpu::rope_table(rows, pos0, &p, 1.0);
             (r.vec(rows * heads * hd), p, table)

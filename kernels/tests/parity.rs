@@ -160,6 +160,7 @@ fn parity_rope_both_styles() {
                 style,
                 rotated_dims: 16,
                 linear_factor: 1.0,
+                llama3: None,
             };
             let (rows, heads, hd, pos0) = (5, 3, 20, 997);
             let x0 = r.vec(rows * heads * hd);

@@ -132,6 +132,21 @@ pub fn rope_params(r: &kvreplay_traces::Rope) -> kvreplay_kernels::cpu::RopePara
         linear_factor: match r.scaling {
             kvreplay_traces::RopeScaling::None => 1.0,
             kvreplay_traces::RopeScaling::Linear { factor } => factor,
+            kvreplay_traces::RopeScaling::Llama3 { .. } => 1.0,
+        },
+        llama3: match r.scaling {
+            kvreplay_traces::RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => Some(kvreplay_kernels::cpu::Llama3Rope {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            }),
+            _ => None,
         },
     }
 }
@@ -145,6 +160,7 @@ pub fn layer_rope(m: &kvreplay_traces::ModelInfo, l: usize) -> kvreplay_kernels:
         if la.rope_theta != m.rope.theta {
             r.theta = la.rope_theta;
             r.linear_factor = 1.0;
+            r.llama3 = None;
         }
     }
     r

@@ -712,6 +712,7 @@ fn with_rope(mut d: LayerData) -> LayerData {
         style: RopeStyle::Neox,
         rotated_dims: d.d,
         linear_factor: 1.0,
+        llama3: None,
     });
     d
 }

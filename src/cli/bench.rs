@@ -10,7 +10,7 @@ use kvreplay_traces::Dtype;
 pub(super) enum BenchCmd {
     /// Capture throughput: prefill and decode tokens per second, trace writes included.
     Capture {
-        /// GGUF model file [default: $KVREPLAY_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
+        /// GGUF model file or HF checkpoint directory (config.json, *.safetensors, tokenizer.json) [default: $KVREPLAY_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
         #[arg(long)]
         model: Option<PathBuf>,
         #[arg(long, default_value_t = 2048)]

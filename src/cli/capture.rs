@@ -13,7 +13,7 @@ use super::common::{capture_device, open_device, resolve_model, Work};
 
 #[derive(Args)]
 pub(super) struct CaptureArgs {
-    /// GGUF model file [default: $KVREPLAY_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    /// GGUF model file or HF checkpoint directory (config.json, *.safetensors, tokenizer.json) [default: $KVREPLAY_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
     #[arg(long)]
     model: Option<PathBuf>,
     /// Prompt text (tokenized as is: no special tokens are added).

@@ -8,14 +8,15 @@ use std::path::PathBuf;
 /// Where `scripts/fetch-model.sh` caches the default model.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
-/// The model path: --model, else $KVREPLAY_MODEL, else the cached default.
+/// The model path (a GGUF file or an HF checkpoint directory): --model,
+/// else $KVREPLAY_MODEL, else the cached default.
 pub fn resolve_model(arg: Option<PathBuf>) -> Result<PathBuf> {
     let path = arg
         .or_else(|| std::env::var_os("KVREPLAY_MODEL").map(PathBuf::from))
         .unwrap_or_else(|| PathBuf::from(DEFAULT_MODEL));
     if !path.exists() {
         bail!(
-            "model file {} not found; pass --model FILE.gguf, or run scripts/fetch-model.sh to fetch the default model",
+            "model {} not found; pass --model FILE.gguf or --model DIR (an HF checkpoint directory with config.json, *.safetensors and tokenizer.json), or run scripts/fetch-model.sh to fetch the default model",
             path.display()
         );
     }

@@ -12,7 +12,7 @@ use super::common::{expand_traces, resolve_model};
 
 #[derive(Args)]
 pub(super) struct ValidateArgs {
-    /// GGUF model the traces were captured with [default: $KVREPLAY_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    /// GGUF model file or HF checkpoint directory the traces were captured with [default: $KVREPLAY_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
     #[arg(long)]
     model: Option<PathBuf>,
     /// Traces: trace folders, or folders whose sub-folders are traces (the first half selects the best predictor, the rest are held out).

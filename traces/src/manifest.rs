@@ -107,7 +107,18 @@ pub enum RopeStyle {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum RopeScaling {
     None,
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
+    /// Llama 3.x frequency scaling (HF `rope_type: llama3`): inv_freq is
+    /// divided by `factor` for wavelengths above `original_max_position_embeddings
+    /// / low_freq_factor`, kept below `/ high_freq_factor`, interpolated between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -249,12 +260,15 @@ impl Manifest {
     }
 
     /// The lowest format version that describes this trace: 2 for a lean
-    /// trace or one whose layers differ (`model.layers`), else 1.
+    /// trace, one whose layers differ (`model.layers`) or one with Llama 3
+    /// RoPE scaling, else 1.
     pub fn needed_version(&self) -> u32 {
-        if self.model.layers.is_empty() {
-            self.layout().format_version()
-        } else {
+        let v2 = !self.model.layers.is_empty()
+            || matches!(self.model.rope.scaling, RopeScaling::Llama3 { .. });
+        if v2 {
             2
+        } else {
+            self.layout().format_version()
         }
     }
 
@@ -375,6 +389,25 @@ impl Manifest {
         positive("rope.theta", m.rope.theta, 1e12)?;
         if let RopeScaling::Linear { factor } = m.rope.scaling {
             positive("rope.scaling.factor", factor, 1e6)?;
+        }
+        if let RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } = m.rope.scaling
+        {
+            positive("rope.scaling.factor", factor, 1e6)?;
+            positive("rope.scaling.low_freq_factor", low_freq_factor, 1e6)?;
+            positive("rope.scaling.high_freq_factor", high_freq_factor, 1e6)?;
+            positive(
+                "rope.scaling.original_max_position_embeddings",
+                original_max_position_embeddings,
+                1e9,
+            )?;
+            if high_freq_factor <= low_freq_factor {
+                return Err("rope.scaling: high_freq_factor must exceed low_freq_factor".into());
+            }
         }
         if m.rope.rotated_dims > m.head_dim || !m.rope.rotated_dims.is_multiple_of(2) {
             return Err(format!(

@@ -16,6 +16,7 @@ pub use dequant::{dequantize, BlockType};
 pub use linear::linear;
 pub use norm::{argmax, embedding, gelu_tanh_mul, rms_norm, scale, silu_mul};
 pub use rope::{
-    apply_rope, rope_table, rotate_with_table, unapply_rope, RopeCache, RopeParams, RopeStyle,
+    apply_rope, rope_table, rotate_with_table, unapply_rope, Llama3Rope, RopeCache, RopeParams,
+    RopeStyle,
 };
 pub use vector::{cosine, fake_quant, l2_norm, l2_norm_f32, softmax_f64, softmax_f64_norm};

@@ -17,14 +17,52 @@ pub struct RopeParams {
     pub rotated_dims: usize,
     /// Linear position scaling: angle = pos / factor * inv_freq (1.0 = none).
     pub linear_factor: f64,
+    /// Llama 3 frequency scaling of the inverse frequencies (None = none).
+    pub llama3: Option<Llama3Rope>,
+}
+
+/// Llama 3.x RoPE scaling (HF `rope_scaling.rope_type = "llama3"`): inverse
+/// frequencies whose wavelength exceeds `original_max_position_embeddings /
+/// low_freq_factor` are divided by `factor`, those with wavelength below
+/// `original_max_position_embeddings / high_freq_factor` are kept, and those
+/// in between are interpolated (transformers' `_compute_llama3_parameters`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Llama3Rope {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: f64,
+}
+
+impl Llama3Rope {
+    /// The scaled inverse frequency, exactly as transformers computes it
+    /// (there in f32, here in f64).
+    pub fn scale(&self, inv_freq: f64) -> f64 {
+        let old = self.original_max_position_embeddings;
+        let low_freq_wavelen = old / self.low_freq_factor;
+        let high_freq_wavelen = old / self.high_freq_factor;
+        let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+        if wavelen > low_freq_wavelen {
+            inv_freq / self.factor
+        } else if wavelen < high_freq_wavelen {
+            inv_freq
+        } else {
+            let smooth = (old / wavelen - self.low_freq_factor)
+                / (self.high_freq_factor - self.low_freq_factor);
+            (1.0 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        }
+    }
 }
 
 impl RopeParams {
     /// Rotation angle of pair `i` at position `pos`, computed in f64.
     pub fn angle(&self, pos: usize, i: usize) -> f64 {
-        let inv_freq = self
+        let mut inv_freq = self
             .theta
             .powf(-((2 * i) as f64) / self.rotated_dims as f64);
+        if let Some(l3) = &self.llama3 {
+            inv_freq = l3.scale(inv_freq);
+        }
         pos as f64 / self.linear_factor * inv_freq
     }
 }
@@ -155,6 +193,7 @@ mod tests {
             style,
             rotated_dims: 4,
             linear_factor: 1.0,
+            llama3: None,
         }
     }
 
@@ -165,6 +204,7 @@ mod tests {
             style: RopeStyle::Neox,
             rotated_dims: 8,
             linear_factor: 1.0,
+            llama3: None,
         };
         let cache = RopeCache::new(p);
         for pos in [5usize, 0, 3000, 17] {
@@ -206,6 +246,7 @@ mod tests {
             style: RopeStyle::Interleaved,
             rotated_dims: d,
             linear_factor: 1.0,
+            llama3: None,
         };
         let p_n = RopeParams {
             style: RopeStyle::Neox,
@@ -236,6 +277,7 @@ mod tests {
             style: RopeStyle::Neox,
             rotated_dims: 8,
             linear_factor: 1.0,
+            llama3: None,
         };
         let x: Vec<f32> = (0..16).map(|i| (i as f32 * 0.3).cos()).collect();
         let mut y = x.clone();
@@ -253,10 +295,41 @@ mod tests {
             style: RopeStyle::Neox,
             rotated_dims: 2,
             linear_factor: 1.0,
+            llama3: None,
         };
         let mut x = vec![1.0, 0.0, 5.0, 6.0];
         apply_rope(&mut x, 1, 4, 3, &p);
         assert_eq!(&x[2..], &[5.0, 6.0]);
         assert!((x[0] - 3f32.cos()).abs() < 1e-6 && (x[1] - 3f32.sin()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_divides_low_and_interpolates_between() {
+        // Llama 3.1's parameters: factor 8, low 1, high 4, original context 8192.
+        let l3 = Llama3Rope {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        };
+        let tau = 2.0 * std::f64::consts::PI;
+        // wavelength 100 < 8192 / 4: kept
+        assert_eq!(l3.scale(tau / 100.0), tau / 100.0);
+        // wavelength 10,000 > 8192: divided by 8
+        assert_eq!(l3.scale(tau / 10_000.0), tau / 10_000.0 / 8.0);
+        // wavelength 4096: smooth = (8192 / 4096 - 1) / 3 = 1/3
+        let f = tau / 4096.0;
+        let want = (1.0 - 1.0 / 3.0) * f / 8.0 + f / 3.0;
+        assert!((l3.scale(f) - want).abs() < 1e-15 * want.abs().max(1.0));
+        // the angle uses it
+        let p = RopeParams {
+            theta: 500_000.0,
+            style: RopeStyle::Neox,
+            rotated_dims: 128,
+            linear_factor: 1.0,
+            llama3: Some(l3),
+        };
+        let inv = 500_000f64.powf(-(2.0 * 40.0) / 128.0);
+        assert_eq!(p.angle(7, 40), 7.0 * l3.scale(inv));
     }
 }
