@@ -49,12 +49,19 @@ def test_hf_capture_matches_the_rust_capture(smol_trace, kvreplay_bin, hf_model,
     print("worst relative L2 difference per tensor over the layers:", worst)
     for name, e in worst.items():
         assert e < 1e-3, (name, e)  # measured: at most 4.1e-5 (o)
-    for spec in ("streaming_llm", "snapkv", "h2o", "knorm"):
+    # every classic baseline (their default settings) keeps the same positions;
+    # adakv's global top-k across heads compares scores of different heads,
+    # where a 4e-5 relative difference in q/k can flip a near-tie: there the
+    # shares must round to 1 at 3 decimals
+    shares = {}
+    for spec in ("random", "streaming_llm", "h2o", "snapkv", "pyramidkv", "adakv", "tova",
+                 "knorm", "scissorhands", "cam"):
         a = kvreplay.replay(hf, spec, budget=128)
         b = kvreplay.replay(rs, spec, budget=128)
-        same = np.mean([
+        shares[spec] = np.mean([
             len(np.intersect1d(a.kept(l, h), b.kept(l, h))) / max(len(b.kept(l, h)), 1)
             for l in range(rs.n_layers) for h in range(rs.n_kv_heads)
         ])
-        print(f"{spec}: share of the Rust capture's kept positions the HF capture keeps: {same:.4f}")
-        assert same == 1.0, (spec, same)
+        print(f"{spec}: share of the Rust capture's kept positions the HF capture keeps: {shares[spec]:.6f}")
+    for spec, same in shares.items():
+        assert same == 1.0 or (spec == "adakv" and same >= 0.999), (spec, same)
