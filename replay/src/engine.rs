@@ -182,6 +182,9 @@ fn in_window(cache: &HeadCache, e: usize, pos: usize, w: Option<usize>) -> bool 
 /// last position `last` (all of them without a window): what a sliding layer
 /// holds, its older entries having been dropped.
 fn visible_bytes(cache: &HeadCache, last: usize, w: Option<usize>) -> u64 {
+    if w.is_none() {
+        return cache.bytes();
+    }
     (0..cache.len())
         .filter(|&e| in_window(cache, e, last, w))
         .map(|e| cache.bits[e])
@@ -602,11 +605,6 @@ impl<'t> TraceReplay<'t> {
         let copy = ((h * (t - qs) + 2 * kv * t) * d * 4) as u64;
         let reference = (steps * h * (t + d) * 8) as u64;
         copy + reference
-    }
-
-    /// Layers kept in memory between points so far.
-    pub fn layers_kept(&self) -> usize {
-        self.layers.iter().filter(|l| l.get().is_some()).count()
     }
 
     pub fn trace(&self) -> &Trace {

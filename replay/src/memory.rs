@@ -8,12 +8,7 @@
 /// process's cgroup (v2 `memory.max`, v1 `memory.limit_in_bytes`) when one
 /// is set. None where neither can be read (not Linux).
 pub fn available() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let avail = meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())?
-        * 1024;
+    let avail = proc_kb("/proc/meminfo", "MemAvailable:")?;
     Some(match cgroup_room() {
         Some(room) => avail.min(room),
         None => avail,
@@ -62,12 +57,21 @@ pub fn default_cap() -> u64 {
 
 /// Peak resident set of this process so far (`VmHWM`), in bytes.
 pub fn peak_rss() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    status
+    proc_kb("/proc/self/status", "VmHWM:")
+}
+
+/// The `KEY   N kB` line of a /proc file, in bytes.
+fn proc_kb(file: &str, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(file).ok()?;
+    let kb: u64 = text
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
+        .find_map(|l| l.strip_prefix(key))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
 }
 
 /// "512M", "2G", "1.5G", "300000" (bytes) or "auto" (None).

@@ -7,7 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::{Path, PathBuf};
 
-use kvreplay_replay::{check_reads_of, Budget, PolicySpec, REGISTRY};
+use kvreplay_replay::{PolicySpec, REGISTRY};
 use kvreplay_traces::{Dtype, Manifest, Trace, TraceLayout};
 
 #[derive(Args)]
@@ -109,7 +109,7 @@ pub(super) fn cmd_inspect(a: InspectArgs) -> Result<()> {
     println!();
     print_sizes(&m.layout());
     println!();
-    print_replayable(m, dir);
+    print_replayable(m);
     println!();
     let tq = m.total_len() - m.query_start();
     println!(
@@ -183,7 +183,7 @@ fn print_sizes(layout: &TraceLayout) {
 const CHECK_BUDGETS: [usize; 7] = [16, 32, 64, 128, 256, 512, 1024];
 
 /// Which registered policies (under their defaults) this trace can replay.
-fn print_replayable(m: &Manifest, dir: &Path) {
+fn print_replayable(m: &Manifest) {
     if !m.is_lean() {
         println!(
             "replays    every policy ({} registered): every prompt query is stored",
@@ -198,13 +198,12 @@ fn print_replayable(m: &Manifest, dir: &Path) {
         };
         let need = CHECK_BUDGETS
             .iter()
-            .map(|&b| policy.prompt_queries(m.prompt_len(), b.min(m.prompt_len())))
+            .map(|&b| policy.prompt_queries(m.prompt_len(), b))
             .max()
-            .unwrap_or(0);
-        let fits = CHECK_BUDGETS
-            .iter()
-            .all(|&b| check_reads_of(m, dir, policy.as_ref(), Budget::Entries(b)).is_ok());
-        if fits {
+            .unwrap_or(0)
+            .min(m.prompt_len());
+        // what `check_reads` compares
+        if need <= m.prompt_len() - m.query_start() {
             ok.push(info.name.to_string());
         } else {
             not.push(format!("{} (reads {need})", info.name));

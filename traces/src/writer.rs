@@ -50,11 +50,6 @@ impl TraceLayout {
             1
         }
     }
-    /// Positions whose `q` and `o` are stored.
-    pub fn query_rows(&self) -> std::ops::Range<usize> {
-        self.query_start..self.total_len
-    }
-
     /// Bytes of each tensor of one layer file: (name, bytes), in file order.
     pub fn tensor_bytes(&self) -> Vec<(&'static str, u64)> {
         layer_tensors(self)
@@ -68,13 +63,8 @@ impl TraceLayout {
             .collect()
     }
 
-    /// Bytes of layer `layer`'s file, header included: what a capture of
-    /// this layout writes (every layer file together: [`Self::trace_bytes`]).
-    pub fn layer_file_bytes(&self, layer: usize) -> u64 {
-        layer_file_len(self, layer)
-    }
-
-    /// Bytes of every layer file (the manifest, a few KB, aside).
+    /// Bytes of every layer file, headers included: what a capture of this
+    /// layout writes (the manifest, a few KB, aside).
     pub fn trace_bytes(&self) -> u64 {
         (0..self.n_layers).map(|l| layer_file_len(self, l)).sum()
     }
