@@ -8,10 +8,12 @@ that `kvreplay capture` wrote:
 - the tokenizer is the `sentencepiece` package itself, loaded from a
   ModelProto built from the GGUF pieces, scores and types (BPE, byte
   fallback, no dummy prefix, no normalisation) -- not kvreplay's SPM code and
-  not transformers' GGUF tokenizer (which gets this file wrong). The two
-  differ by design in one place: kvreplay, like llama.cpp, matches the GGUF's
-  user-defined whitespace-run pieces ("  ", "   ", ...) and control strings
-  in the raw text, sentencepiece does not; the test prompts have neither;
+  not transformers' GGUF tokenizer (which gets this file wrong). Before
+  sentencepiece sees the text, the control and user-defined pieces written in
+  it (`<start_of_turn>`, the whitespace runs "  ", "\n\n", ...) are split out
+  whole, longest first, as HF tokenizers' added tokens and llama.cpp's special
+  partition do (sentencepiece itself would spell `<start_of_turn>` out of
+  ordinary pieces, and it escapes spaces before it looks for "  ");
 - the forward pass in NumPy float32 over the whole sequence at once (no KV
   cache), written from HF transformers' Gemma 3: embeddings * sqrt(d_model);
   per block attn_norm -> q/k/v -> per-head RMSNorm of q and k -> rotate-half
@@ -27,10 +29,12 @@ k, v and o against the trace.
 
 Usage: reference_gemma3.py --model M.gguf --trace T.kvtrace (--prompt TEXT | --prompt-file F) [--tol 0.01]
        reference_gemma3.py --model M.gguf --tokenize TEXT   (print the reference ids)
+       reference_gemma3.py --model M.gguf --check-ids F.json (F: [{"name", "text", "ids"}]; exit 1 on a mismatch)
 """
 import argparse
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -79,9 +83,22 @@ def sentencepiece_from_gguf(reader):
     proc.LoadFromSerializedProto(m.SerializeToString())
     add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token"))
     bos = field(reader, "tokenizer.ggml.bos_token_id")
+    # control (3) and user-defined (4) pieces written in the text are matched
+    # whole, the longest at each position first
+    special = {p: i for i, (p, t) in enumerate(zip(pieces, types)) if int(t) in (3, 4)}
+    split = re.compile("|".join(re.escape(p) for p in sorted(special, key=len, reverse=True)))
 
     def encode(text):
-        return ([bos] if add_bos else []) + list(proc.encode(text))
+        ids = [bos] if add_bos else []
+        at = 0
+        for m in split.finditer(text):
+            if m.start() > at:
+                ids += proc.encode(text[at:m.start()])
+            ids.append(special[m.group()])
+            at = m.end()
+        if at < len(text):
+            ids += proc.encode(text[at:])
+        return ids
 
     return encode, proc
 
@@ -180,14 +197,30 @@ def main():
     src.add_argument("--prompt", help="the prompt text given to kvreplay capture")
     src.add_argument("--prompt-file")
     src.add_argument("--tokenize", help="only print the reference token ids of this text")
+    src.add_argument("--check-ids", help="JSON list of {name, text, ids}: compare each with the reference ids")
     ap.add_argument("--tol", type=float, default=0.01, help="relative L2 tolerance (default 1%%)")
     args = ap.parse_args()
     if args.tokenize is not None:
         encode, _ = sentencepiece_from_gguf(GGUFReader(args.model))
         print(json.dumps(encode(args.tokenize)))
         return
+    if args.check_ids is not None:
+        encode, proc = sentencepiece_from_gguf(GGUFReader(args.model))
+        bad = 0
+        for item in json.load(open(args.check_ids, encoding="utf-8")):
+            ref = encode(item["text"])
+            got = item["ids"]
+            if ref == got:
+                print(f"reference: {item['name']}: {len(ref)} ids identical")
+                continue
+            bad += 1
+            at = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+            print(f"MISMATCH: {item['name']}: {len(ref)} reference ids vs {len(got)} given; first difference "
+                  f"at {at}: reference {[proc.id_to_piece(i) for i in ref[at:at + 5]]} vs "
+                  f"given {[proc.id_to_piece(i) for i in got[at:at + 5]]}")
+        sys.exit(1 if bad else 0)
     if not args.trace:
-        sys.exit("--trace is required unless --tokenize")
+        sys.exit("--trace is required unless --tokenize or --check-ids")
     man = json.load(open(os.path.join(args.trace, "manifest.json")))
     P = man["tokens"]["prompt_len"]
     n_dec = man["generation"]["n_decode"]

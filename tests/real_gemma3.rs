@@ -183,3 +183,54 @@ fn gemma3_tokenizer_known_answer() {
         .collect();
     assert_eq!(&ids[..6], &[2, 818, 5279, 529, 7001, 563]);
 }
+
+/// The default suite's prompts (plain text: the base model has no chat
+/// template) and strings with control pieces and whitespace runs give the
+/// same ids as the `sentencepiece` package (with added-token splitting) in
+/// scripts/reference_gemma3.py.
+#[test]
+fn gemma3_suite_prompts_tokenize_like_sentencepiece() {
+    let (Some(model_path), Some(python)) = (gemma3_model(), python()) else {
+        return;
+    };
+    let model = kvreplay_capture::Model::load(&model_path).unwrap();
+    assert!(
+        !model.tokenizer.has_chat_template(),
+        "the base Gemma 3 270M GGUF was expected to carry no chat template"
+    );
+    let mut items = Vec::new();
+    for (name, spec) in kvreplay_capture::tasks::default_suite() {
+        let text = kvreplay_capture::tasks::build(&spec, &model).unwrap().text;
+        let (ids, _, _) = kvreplay_capture::tasks::prepare(&spec, &model, false).unwrap();
+        assert_eq!(ids, model.tokenizer.encode(&text).unwrap());
+        items.push(serde_json::json!({ "name": name, "text": text, "ids": ids }));
+    }
+    for (i, text) in [
+        "The capital of France is",
+        "two  spaces,   three, and a tab\there\n\n\nthree newlines",
+        "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+        "<table><tr><td>cell</td></tr></table> and ünïcödé ✓ 🚀",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let ids = model.tokenizer.encode(text).unwrap();
+        items.push(serde_json::json!({ "name": format!("text {i}"), "text": text, "ids": ids }));
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("ids.json");
+    std::fs::write(&file, serde_json::to_string(&items).unwrap()).unwrap();
+    let o = Command::new(python)
+        .arg(Path::new(ROOT).join("scripts/reference_gemma3.py"))
+        .args(["--model", model_path.to_str().unwrap(), "--check-ids"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    println!("{}", text(&o));
+    assert!(
+        o.status.success(),
+        "ids differ from sentencepiece:\n{}",
+        text(&o)
+    );
+    assert_eq!(text(&o).matches("ids identical").count(), items.len());
+}

@@ -368,6 +368,12 @@ impl Tokenizer {
         }
     }
 
+    /// Whether the model ships a chat template (instruction-tuned models do;
+    /// base models such as Gemma 3 270M do not).
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
     /// Render the model's chat template for one user message, ready for the
     /// assistant's reply.
     pub fn apply_chat_template(&self, user: &str) -> Result<String, CaptureError> {

@@ -210,11 +210,20 @@ fn capture_suite(a: &CaptureArgs, suite: &str, model_path: &Path) -> Result<()> 
             .expect("valid template")
             .progress_chars("=> "),
     );
+    // Instruction-tuned models get the suite's prompts as one user turn of
+    // their chat template; a base model (no template) gets the plain text.
+    let chat = model.tokenizer.has_chat_template();
+    if !chat {
+        eprintln!(
+            "{}: no chat template (a base model): the suite's prompts are captured as plain text",
+            model_path.display()
+        );
+    }
     let mut made = 0;
     for (name, task) in &items {
         let out = a.out.join(name);
         bar.set_message(name.clone());
-        let (ids, spans, source) = kvreplay_capture::tasks::prepare(task, &model, true)?;
+        let (ids, spans, source) = kvreplay_capture::tasks::prepare(task, &model, chat)?;
         // a finished trace of this very request is kept (rerunning resumes
         // the suite); one made otherwise is refused; --force recaptures
         if out.join("manifest.json").exists() && !a.force {
@@ -250,7 +259,7 @@ fn capture_suite(a: &CaptureArgs, suite: &str, model_path: &Path) -> Result<()> 
         opts.prompt_ids = Some(ids);
         opts.spans = spans;
         opts.prompt_source = source;
-        opts.chat = true;
+        opts.chat = chat;
         a.apply(&mut opts);
         capture(&model, &opts, &mut |_| {})
             .with_context(|| format!("capturing {}", out.display()))?;

@@ -49,7 +49,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Run a GGUF model once on a prompt and write a trace (q/k/v/o per layer and head).
+    /// Run a model (GGUF file or HF checkpoint) once on a prompt and write a trace (q/k/v/o per layer and head).
     Capture(CaptureArgs),
     /// Print a trace's manifest, its size by tensor, what it can replay and
     /// per-layer norms; or, with --estimate, the size of traces of a model.
