@@ -35,6 +35,19 @@ impl HeadCache {
         2 * d as u64 * F16_BITS
     }
 
+    /// Whether entry `e` is visible to the query at `pos` through a sliding
+    /// window of `w` (always, without one): its newest member lies in
+    /// pos − w + 1 ..= pos.
+    pub fn in_window(&self, e: usize, pos: usize, w: Option<usize>) -> bool {
+        match w {
+            None => true,
+            Some(w) => self.members[e]
+                .iter()
+                .max()
+                .is_some_and(|&m| m as usize + w > pos),
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.bias.len()
     }

@@ -166,18 +166,6 @@ pub fn layer_rope(m: &kvreplay_traces::ModelInfo, l: usize) -> kvreplay_kernels:
     r
 }
 
-/// Whether entry `e` of `cache` is visible to the query at `pos` through a
-/// window of `w`: its newest member lies in pos − w + 1 ..= pos.
-fn in_window(cache: &HeadCache, e: usize, pos: usize, w: Option<usize>) -> bool {
-    match w {
-        None => true,
-        Some(w) => cache.members[e]
-            .iter()
-            .max()
-            .is_some_and(|&m| m as usize + w > pos),
-    }
-}
-
 /// Bytes, and retained positions, of the entries of `cache` visible at the
 /// last position `last` (all of them without a window): what a sliding layer
 /// holds, its older entries having been dropped.
@@ -186,7 +174,7 @@ fn visible_bytes(cache: &HeadCache, last: usize, w: Option<usize>) -> u64 {
         return cache.bytes();
     }
     (0..cache.len())
-        .filter(|&e| in_window(cache, e, last, w))
+        .filter(|&e| cache.in_window(e, last, w))
         .map(|e| cache.bits[e])
         .sum::<u64>()
         .div_ceil(8)
@@ -383,7 +371,7 @@ fn attend_heads(
     // a sliding layer: entries older than the window get no weight
     let masked: Option<Vec<f32>> = data.window.map(|_| {
         (0..n)
-            .map(|e| match in_window(cache, e, pos, data.window) {
+            .map(|e| match cache.in_window(e, pos, data.window) {
                 true => cache.bias[e],
                 false => f32::NEG_INFINITY,
             })
@@ -437,14 +425,15 @@ pub fn replay_group(
     replay_group_refs(&datas.iter().collect::<Vec<_>>(), policy, b)
 }
 
-fn replay_group_refs(
+/// The policy that builds the caches of a group of layers replayed together:
+/// sliding-window layers keep their window uncompressed (`full`) unless the
+/// policy says otherwise (`+sliding`); a group must be all one or all the
+/// other. Replay and the closed loop (validate) both go through it.
+pub fn group_policy<'a>(
+    policy: &'a dyn Policy,
     datas: &[&LayerData],
-    policy: &dyn Policy,
-    b: usize,
-) -> Result<Vec<LayerResult>, ReplayError> {
-    let (p, t) = (datas[0].prompt_len, datas[0].total_len);
-    // sliding-window layers keep their window uncompressed unless the policy
-    // says otherwise (`+sliding`); a group must be all one or all the other
+) -> Result<&'a dyn Policy, ReplayError> {
+    static FULL: crate::policies::full::Full = crate::policies::full::Full;
     let sliding = datas.iter().filter(|d| d.window.is_some()).count();
     let keep_window = sliding > 0 && !policy.compress_sliding();
     if keep_window && sliding < datas.len() {
@@ -456,8 +445,16 @@ fn replay_group_refs(
             ),
         });
     }
-    let full = crate::policies::full::Full;
-    let policy: &dyn Policy = if keep_window { &full } else { policy };
+    Ok(if keep_window { &FULL } else { policy })
+}
+
+fn replay_group_refs(
+    datas: &[&LayerData],
+    policy: &dyn Policy,
+    b: usize,
+) -> Result<Vec<LayerResult>, ReplayError> {
+    let (p, t) = (datas[0].prompt_len, datas[0].total_len);
+    let policy = group_policy(policy, datas)?;
     let mut session = Session::prefill(policy, datas, b)?;
     // The full-cache reference of every decode step: independent of the policy
     // and the budget, so computed once per trace and layer in a sweep.
@@ -520,7 +517,7 @@ fn replay_group_refs(
             let mut retained = Vec::new();
             for (g, c) in caches.iter().enumerate() {
                 for (e, m) in c.members.iter().enumerate() {
-                    if !in_window(c, e, t - 1, data.window) {
+                    if !c.in_window(e, t - 1, data.window) {
                         continue;
                     }
                     for &pos in m.iter().filter(|&&x| (x as usize) < p) {

@@ -8,6 +8,21 @@ use std::path::PathBuf;
 /// Where `scripts/fetch-model.sh` caches the default model.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
+/// The model of a trace (validate, bench): --model, else $KVREPLAY_MODEL,
+/// else the file the trace records it was captured from when `models/`
+/// holds it (e.g. the Gemma 3 GGUF), else the cached default.
+pub fn resolve_trace_model(arg: Option<PathBuf>, trace: &std::path::Path) -> Result<PathBuf> {
+    if arg.is_none() && std::env::var_os("KVREPLAY_MODEL").is_none() {
+        if let Ok(m) = kvreplay_traces::Manifest::read(trace) {
+            let cached = PathBuf::from("models").join(&m.model.source.file_name);
+            if cached.is_file() && m.model.source.file_name.ends_with(".gguf") {
+                return Ok(cached);
+            }
+        }
+    }
+    resolve_model(arg)
+}
+
 /// The model path (a GGUF file or an HF checkpoint directory): --model,
 /// else $KVREPLAY_MODEL, else the cached default.
 pub fn resolve_model(arg: Option<PathBuf>) -> Result<PathBuf> {

@@ -8,11 +8,11 @@ use std::path::PathBuf;
 
 use kvreplay_capture::Model;
 
-use super::common::{expand_traces, resolve_model};
+use super::common::{expand_traces, resolve_trace_model};
 
 #[derive(Args)]
 pub(super) struct ValidateArgs {
-    /// GGUF model file or HF checkpoint directory the traces were captured with [default: $KVREPLAY_MODEL, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    /// GGUF model file or HF checkpoint directory the traces were captured with [default: $KVREPLAY_MODEL, else the GGUF file the first trace names when models/ holds it, else models/SmolLM2-135M-Instruct.Q4_1.gguf]
     #[arg(long)]
     model: Option<PathBuf>,
     /// Traces: trace folders, or folders whose sub-folders are traces (the first half selects the best predictor, the rest are held out).
@@ -42,7 +42,7 @@ pub(super) fn cmd_validate(a: ValidateArgs) -> Result<()> {
         bail!("--budget needs at least one budget, each at least 1");
     }
     let traces = expand_traces(&a.trace)?;
-    let model_path = resolve_model(a.model.clone())?;
+    let model_path = resolve_trace_model(a.model.clone(), &traces[0])?;
     let model = Model::load(&model_path)
         .with_context(|| format!("loading model {}", model_path.display()))?;
     let bar = ProgressBar::new(0);

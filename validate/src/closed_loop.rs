@@ -10,6 +10,7 @@ use kvreplay_capture::Model;
 use kvreplay_kernels::cpu::{self, AttentionStats};
 use kvreplay_kernels::{Backend, KernelError};
 use kvreplay_replay::cache::HeadCache;
+use kvreplay_replay::engine::group_policy;
 use kvreplay_replay::policy::{LayerData, Policy};
 use kvreplay_replay::{ReplayError, Session};
 
@@ -30,13 +31,6 @@ pub struct Prefilled {
 /// Prefill `prompt` (chunks of 256) keeping q/k/v and column sums per layer.
 pub fn prefill(model: &Model, prompt: &[u32], capacity: usize) -> Result<Prefilled, ValidateError> {
     let cfg = &model.llama.cfg;
-    // the closed loop's compressed attention (attend_head) has no window yet
-    if cfg.layer_attention.iter().any(|a| a.window.is_some()) {
-        return Err(ValidateError::Input {
-            path: model.source.file_name.clone(),
-            msg: "has sliding-window layers (Gemma 3): closed-loop validation of sliding-window models is not supported yet; replay and capture are".into(),
-        });
-    }
     let (p, d, nh, nkv, nl) = (
         prompt.len(),
         cfg.head_dim,
@@ -168,7 +162,10 @@ fn next_token(feed: Feed, cont: &[u32], i: usize, last: &[f32]) -> u32 {
 /// Decode `n` tokens after `pre` with `policy` at budget `b` inside the
 /// forward pass: after prefill every layer's cache is the policy's
 /// compressed cache; each step appends the new exact entry, attends over
-/// the caches and lets the policy act on that step's attention.
+/// the caches and lets the policy act on that step's attention. Layers are
+/// grouped as the policy groups them and each group gets the policy replay
+/// would give it ([`group_policy`]: sliding-window layers keep their window
+/// unless the policy is composed with `+sliding`).
 pub fn decode_compressed(
     model: &Model,
     pre: &Prefilled,
@@ -180,9 +177,18 @@ pub fn decode_compressed(
 ) -> Result<Decoded, ValidateError> {
     let cfg = &model.llama.cfg;
     let (nl, nh, d) = (cfg.n_layers, cfg.n_heads, cfg.head_dim);
-    // The replay loop, over every layer of the live model.
-    let layers: Vec<&LayerData> = pre.layers.iter().collect();
-    let mut session = Session::prefill(policy, &layers, b).map_err(ValidateError::Replay)?;
+    // The replay loop, over every layer of the live model: one session per
+    // layer group; `at[l]` = (session, layer index within it).
+    let mut sessions = Vec::new();
+    let mut at = vec![(0, 0); nl];
+    for g in policy.layer_groups(nl, b, pre.prompt_len) {
+        let layers: Vec<&LayerData> = g.iter().map(|&l| &pre.layers[l]).collect();
+        let session = Session::prefill(group_policy(policy, &layers)?, &layers, b)?;
+        for (i, &l) in g.iter().enumerate() {
+            at[l] = (sessions.len(), i);
+        }
+        sessions.push((g, session));
+    }
     let mut kv = pre.cache.clone();
     let mut out = Decoded {
         logits: Vec::new(),
@@ -195,22 +201,27 @@ pub fn decode_compressed(
         let mut probs: Vec<Vec<Vec<f32>>> = vec![vec![Vec::new(); nh]; nl];
         let mut queries: Vec<Vec<f32>> = vec![Vec::new(); nl];
         {
-            let session = &mut session;
-            let probs = &mut probs;
-            let queries = &mut queries;
+            let sessions = &mut sessions;
+            let (probs, queries, at) = (&mut probs, &mut queries, &at);
             let mut attend = |l: usize,
                               q: &[f32],
                               k: &[f32],
                               v: &[f32],
                               o: &mut [f32]|
              -> Result<(), KernelError> {
-                session.append(l, pos, |g| (&k[g * d..(g + 1) * d], &v[g * d..(g + 1) * d]));
+                let (s, li) = at[l];
+                let session = &mut sessions[s].1;
+                session.append(li, pos, |g| {
+                    (&k[g * d..(g + 1) * d], &v[g * d..(g + 1) * d])
+                });
+                let window = pre.layers[l].window;
                 for h in 0..nh {
-                    let cache = &session.caches(l)[session.cache_of(l, h)];
+                    let cache = &session.caches(li)[session.cache_of(li, h)];
                     probs[l][h] = attend_head(
                         &q[h * d..(h + 1) * d],
                         cache,
                         cfg.attn_scale,
+                        (pos, window),
                         &mut o[h * d..(h + 1) * d],
                     );
                 }
@@ -224,33 +235,48 @@ pub fn decode_compressed(
             };
             last = model.llama.forward(&[tok], pos, &mut kv, fo, &mut |_| {})?;
         }
-        let qs: Vec<Vec<&[f32]>> = queries
-            .iter()
-            .map(|q| (0..nh).map(|h| &q[h * d..(h + 1) * d]).collect())
-            .collect();
-        session.step(pos, &probs, &qs);
+        for (g, session) in &mut sessions {
+            let p: Vec<Vec<Vec<f32>>> = g.iter().map(|&l| std::mem::take(&mut probs[l])).collect();
+            let qs: Vec<Vec<&[f32]>> = g
+                .iter()
+                .map(|&l| (0..nh).map(|h| &queries[l][h * d..(h + 1) * d]).collect())
+                .collect();
+            session.step(pos, &p, &qs);
+        }
         out.tokens.push(tok);
         out.logits.push(last.clone());
     }
     Ok(out)
 }
 
-/// Attention of one query over a cache into `o`; returns the probabilities
-/// over its entries. A cache without logit bias goes through the model's own
-/// attention kernel (so a cache holding every position reproduces the
-/// uncompressed forward pass bit for bit); with bias, through the replay
-/// kernel.
-fn attend_head(q: &[f32], cache: &HeadCache, scale: f32, o: &mut [f32]) -> Vec<f32> {
+/// Attention of one query at position `pos` over a cache into `o`; returns
+/// the probabilities over its entries (0 for entries a sliding `window`
+/// hides). A cache without logit bias whose visible entries are its last
+/// ones goes through the model's own attention kernel (so a cache holding
+/// every position reproduces the uncompressed forward pass bit for bit,
+/// window included); otherwise through the replay kernel, with hidden
+/// entries masked.
+fn attend_head(
+    q: &[f32],
+    cache: &HeadCache,
+    scale: f32,
+    (pos, window): (usize, Option<usize>),
+    o: &mut [f32],
+) -> Vec<f32> {
     let n = cache.len();
     let d = q.len();
-    if cache.bias.iter().all(|b| *b == 0.0) {
+    let visible: Vec<bool> = (0..n).map(|e| cache.in_window(e, pos, window)).collect();
+    let shown = visible.iter().filter(|v| **v).count();
+    let suffix = visible[n - shown..].iter().all(|v| *v);
+    if suffix && cache.bias.iter().all(|b| *b == 0.0) {
         let mut p = vec![0f32; n];
-        cpu::causal_attention_head(
+        cpu::windowed_attention_head(
             q,
             &cache.keys,
             &cache.values,
             d,
             n - 1,
+            (shown < n).then_some(shown),
             scale,
             o,
             AttentionStats {
@@ -260,8 +286,17 @@ fn attend_head(q: &[f32], cache: &HeadCache, scale: f32, o: &mut [f32]) -> Vec<f
         );
         p
     } else {
+        let bias: Vec<f32> = (0..n)
+            .map(|e| {
+                if visible[e] {
+                    cache.bias[e]
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
         let mut w = vec![0f64; n];
-        let z = cpu::attend_biased(q, &cache.keys, &cache.values, &cache.bias, scale, &mut w, o);
+        let z = cpu::attend_biased(q, &cache.keys, &cache.values, &bias, scale, &mut w, o);
         w.iter().map(|x| (x / z) as f32).collect()
     }
 }
@@ -275,5 +310,65 @@ impl From<KernelError> for ValidateError {
 impl From<ReplayError> for ValidateError {
     fn from(e: ReplayError) -> Self {
         ValidateError::Replay(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// d = 1, scale 1, q = [1]: entry logits are the keys plus the bias.
+    /// Entries (members): [0], [1, 6] (a merge of two, bias ln 2), [2], [7].
+    /// At position 7 with a window of 3 the visible entries are those whose
+    /// newest member is >= 5: [1, 6] and [7]. Not a suffix of the cache, so
+    /// the masked replay path: p ∝ (2 e^k1, e^k3) over those two, 0 elsewhere.
+    #[test]
+    fn a_window_hides_entries_whose_newest_member_left_it() {
+        let mut c = HeadCache::new(1);
+        for (pos, k, v) in [
+            (0, 5.0, 100.0),
+            (1, 0.5, 1.0),
+            (2, 9.0, 100.0),
+            (7, 1.0, 3.0),
+        ] {
+            c.push_exact(pos, &[k], &[v]);
+        }
+        c.members[1] = vec![1, 6];
+        c.bias[1] = 2f32.ln();
+        let mut o = [0f32];
+        let p = attend_head(&[1.0], &c, 1.0, (7, Some(3)), &mut o);
+        let (a, b) = (2.0 * 0.5f64.exp(), 1f64.exp());
+        let want = [0.0, a / (a + b), 0.0, b / (a + b)];
+        for (g, w) in p.iter().zip(want) {
+            assert!((*g as f64 - w).abs() < 1e-6, "{p:?} vs {want:?}");
+        }
+        let o_want = (a * 1.0 + b * 3.0) / (a + b);
+        assert!((o[0] as f64 - o_want).abs() < 1e-5, "{} vs {o_want}", o[0]);
+        // without the window every entry is visible
+        let p = attend_head(&[1.0], &c, 1.0, (7, None), &mut o);
+        assert!(p.iter().all(|x| *x > 0.0), "{p:?}");
+    }
+
+    /// A suffix of exact entries goes through the model's windowed kernel:
+    /// positions 0..=5, window 2 at position 5: only keys 4 and 5 count.
+    #[test]
+    fn a_suffix_window_uses_the_models_kernel() {
+        let mut c = HeadCache::new(1);
+        for pos in 0..6 {
+            c.push_exact(pos, &[pos as f32], &[10.0 * pos as f32]);
+        }
+        let mut o = [0f32];
+        let p = attend_head(&[1.0], &c, 1.0, (5, Some(2)), &mut o);
+        let (a, b) = (4f64.exp(), 5f64.exp());
+        assert_eq!(&p[..4], &[0.0; 4]);
+        assert!(
+            (p[4] as f64 - a / (a + b)).abs() < 1e-6 && (p[5] as f64 - b / (a + b)).abs() < 1e-6,
+            "{p:?}"
+        );
+        assert!(
+            (o[0] as f64 - (40.0 * a + 50.0 * b) / (a + b)).abs() < 1e-4,
+            "{}",
+            o[0]
+        );
     }
 }

@@ -1,9 +1,10 @@
-//! The closed loop on tiny generated llama models: equal to the uncompressed
-//! run when nothing is compressed, equal to an independent masked forward
-//! pass for StreamingLLM, and the report end to end.
+//! The closed loop on tiny generated llama and gemma3 models: equal to the
+//! uncompressed run when nothing is compressed (sliding windows included),
+//! equal to an independent masked forward pass for StreamingLLM, and the
+//! report end to end.
 
 use kvreplay_capture::llama::Llama;
-use kvreplay_capture::testing::{tiny_gguf, PLAIN};
+use kvreplay_capture::testing::{tiny_gemma3_gguf, tiny_gguf, GEMMA3_WINDOW, PLAIN};
 use kvreplay_capture::{capture, CaptureOptions, Model};
 use kvreplay_kernels::cpu;
 use kvreplay_replay::{PolicySpec, REGISTRY};
@@ -230,4 +231,71 @@ fn a_trace_from_another_model_is_refused() {
         e.contains("was captured from") && e.contains("pass the model"),
         "{e}"
     );
+}
+
+/// Tiny Gemma 3 (five sliding layers with a window of 4, one full layer) on
+/// a 24-token prompt: the windows cut keys off at every step. With nothing
+/// compressed, the closed loop is the uncompressed run bit for bit, whether
+/// the sliding layers keep their window (the default) or go through the
+/// policy (`+sliding`, where the cache holds every position and the window
+/// is applied at attention time).
+#[test]
+fn gemma3_closed_loop_with_nothing_compressed_is_the_uncompressed_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = Model::load(&tiny_gemma3_gguf(tmp.path())).unwrap();
+    assert!(prefill_len() > GEMMA3_WINDOW as usize);
+    let (prompt, cont) = tokens();
+    let pre = prefill(&m, &prompt, 30).unwrap();
+    assert_eq!(pre.layers.iter().filter(|l| l.window.is_some()).count(), 5);
+    let mut checked = 0;
+    for feed in [Feed::Teacher, Feed::Greedy] {
+        let want = decode_full(&m, &pre, &cont, 6, feed).unwrap();
+        for info in REGISTRY
+            .iter()
+            .filter(|i| !["quant", "d2o", "ems", "sliding"].contains(&i.name))
+        {
+            for spec in [info.name.to_string(), format!("{}+sliding", info.name)] {
+                let p = PolicySpec::parse(&spec).unwrap().build().unwrap();
+                let got = decode_compressed(&m, &pre, p.as_ref(), 64, &cont, 6, feed)
+                    .unwrap_or_else(|e| panic!("{spec}: {e}"));
+                assert_eq!(got.tokens, want.tokens, "{spec} {feed:?}");
+                assert_eq!(bits(&got.logits), bits(&want.logits), "{spec} {feed:?}");
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 2 * 2 * 12, "only {checked} runs checked");
+}
+
+fn prefill_len() -> usize {
+    tokens().0.len()
+}
+
+/// validate on a tiny Gemma 3 trace: `full` is exact; StreamingLLM at budget
+/// 6 compresses the full-attention layer only (the sliding layers keep their
+/// window of 4), and with `+sliding` its sliding layers too, which keeps 4
+/// sinks + 2 recent entries there instead of the last 4 positions: a
+/// different end-to-end result.
+#[test]
+fn validate_runs_on_a_sliding_window_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = Model::load(&tiny_gemma3_gguf(tmp.path())).unwrap();
+    let trace = tmp.path().join("g.kvtrace");
+    let mut o = CaptureOptions::new("(tokens)", &trace);
+    o.prompt_ids = Some(tokens().0);
+    o.n_decode = 6;
+    capture(&m, &o, &mut |_| {}).unwrap();
+    let specs: Vec<PolicySpec> = ["full", "streaming_llm", "streaming_llm+sliding"]
+        .iter()
+        .map(|s| PolicySpec::parse(s).unwrap())
+        .collect();
+    let rows =
+        kvreplay_validate::validate_trace(&m, &trace, &specs, &[6], &mut |_, _, _| {}).unwrap();
+    assert_eq!(rows.len(), 3);
+    let kl = |p: &str| rows.iter().find(|r| r.policy == p).unwrap().e2e_kl;
+    let full = rows.iter().find(|r| r.policy == "full").unwrap();
+    assert_eq!((full.e2e_kl, full.replay_rel_l2), (0.0, 0.0), "{full:?}");
+    assert!(kl("streaming_llm") > 0.0, "{rows:?}");
+    assert!(kl("streaming_llm+sliding") > 0.0, "{rows:?}");
+    assert_ne!(kl("streaming_llm"), kl("streaming_llm+sliding"), "{rows:?}");
 }
