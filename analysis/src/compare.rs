@@ -23,6 +23,7 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use crate::rank::compressible_share;
 use crate::sweep::{load_points, read_plan, trace_name, Plan, PointResult, SweepError};
 use kvreplay_replay::PolicySpec;
 
@@ -485,17 +486,25 @@ pub fn compare_points(
     }
     let a = resolve_method(plan, &opts.a)?;
     let b = resolve_method(plan, &opts.b)?;
-    let curve = |trace: &str, spec: &str| {
+    // memory as a share of what a policy compresses (beyond sliding windows)
+    let window = crate::rank::window_shares(plan);
+    let curve = |trace: &str, spec: &str, w: f64| {
         let pts: Vec<(f64, f64, usize)> = points
             .iter()
             .map(|p| &p.summary)
             .filter(|s| s.trace == trace && s.policy_spec == spec)
-            .map(|s| (s.memory_ratio, s.rel_l2_mean, s.budget))
+            .map(|s| {
+                (
+                    compressible_share(s.memory_ratio, w),
+                    s.rel_l2_mean,
+                    s.budget,
+                )
+            })
             .collect();
         Curve::new(&pts)
     };
     // per (layer, head): the curve of that row's rel_l2 over the same points
-    let head_curves = |trace: &str, spec: &str| -> HeadCurves {
+    let head_curves = |trace: &str, spec: &str, w: f64| -> HeadCurves {
         let mut m: BTreeMap<(usize, usize), Vec<CurvePoint>> = BTreeMap::new();
         for p in points
             .iter()
@@ -503,7 +512,7 @@ pub fn compare_points(
         {
             for r in &p.rows {
                 m.entry((r.layer, r.head)).or_default().push((
-                    p.summary.memory_ratio,
+                    compressible_share(p.summary.memory_ratio, w),
                     r.rel_l2,
                     p.summary.budget,
                 ));
@@ -517,11 +526,11 @@ pub fn compare_points(
     let mut curves = Vec::new();
     let mut skipped = Vec::new();
     let mut heads = Vec::new();
-    for t in &plan.traces {
+    for (t, &w) in plan.traces.iter().zip(&window) {
         let name = trace_name(t);
-        match (curve(&name, &a), curve(&name, &b)) {
+        match (curve(&name, &a, w), curve(&name, &b, w)) {
             (Some(ca), Some(cb)) => {
-                heads.push((head_curves(&name, &a), head_curves(&name, &b)));
+                heads.push((head_curves(&name, &a, w), head_curves(&name, &b, w)));
                 curves.push((name, ca, cb));
             }
             (ca, _) => skipped.push(format!(

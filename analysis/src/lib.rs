@@ -11,6 +11,7 @@ pub mod claims;
 pub mod compare;
 pub mod cost;
 pub mod figure;
+pub mod models;
 pub mod rank;
 pub mod report;
 pub mod stats;

@@ -66,6 +66,9 @@ pub struct Ranking {
     pub shares: Vec<f64>,
     pub primary: usize,
     pub traces: usize,
+    /// Whether some trace has sliding-window layers: shares are then of the
+    /// cache beyond the windows ([`compressible_share`]).
+    pub windows: bool,
     pub rows: Vec<Row>,
 }
 
@@ -78,26 +81,52 @@ pub enum X {
     Budget,
 }
 
+/// Per plan trace, the share of its full cache that sliding-window layers'
+/// windows hold ([`kvreplay_traces::Manifest::window_share`]; 0 for models
+/// without sliding layers, and for a trace that can no longer be read).
+pub fn window_shares(plan: &Plan) -> Vec<f64> {
+    plan.traces
+        .iter()
+        .map(|t| kvreplay_traces::Manifest::read(t).map_or(0.0, |m| m.window_share()))
+        .collect()
+}
+
+/// A point's memory as a share of the cache a policy compresses: on a model
+/// with sliding-window layers (Gemma 3) the windows' part `window` of the
+/// full cache stays as it is by default, so 10% means the windows plus 10%
+/// of the rest; without sliding layers, `memory_ratio` itself.
+pub fn compressible_share(memory_ratio: f64, window: f64) -> f64 {
+    if window == 0.0 {
+        memory_ratio
+    } else {
+        (memory_ratio - window) / (1.0 - window)
+    }
+}
+
 /// A policy's curve of `metric` against `x` on each plan trace (`None`
 /// where it has no finished point with the metric there), in plan order.
+/// Memory is the [`compressible_share`] given each trace's `window` share.
 pub fn curves(
     plan: &Plan,
     points: &[PointResult],
     spec: &str,
     x: X,
+    window: &[f64],
     metric: &dyn Fn(&SummaryRow) -> Option<f64>,
 ) -> Vec<(String, Option<Curve>)> {
     plan.traces
         .iter()
-        .map(|t| {
+        .enumerate()
+        .map(|(i, t)| {
             let name = trace_name(t);
+            let w = window.get(i).copied().unwrap_or(0.0);
             let pts: Vec<(f64, f64, usize)> = points
                 .iter()
                 .map(|p| &p.summary)
                 .filter(|s| s.trace == name && s.policy_spec == spec)
                 .filter_map(|s| {
                     let xv = match x {
-                        X::Memory => s.memory_ratio,
+                        X::Memory => compressible_share(s.memory_ratio, w),
                         X::Budget => s.budget as f64,
                     };
                     Some((xv, metric(s)?, s.budget))
@@ -167,11 +196,14 @@ pub fn rank(plan: &Plan, points: &[PointResult], shares: &[f64]) -> Ranking {
         .enumerate()
         .min_by(|a, b| (a.1 - PRIMARY).abs().total_cmp(&(b.1 - PRIMARY).abs()))
         .map_or(0, |x| x.0);
+    let window = window_shares(plan);
     let mut rows: Vec<Row> = plan
         .policies
         .iter()
         .map(|spec| {
-            let cs = curves(plan, points, spec, X::Memory, &|s| Some(s.rel_l2_mean));
+            let cs = curves(plan, points, spec, X::Memory, &window, &|s| {
+                Some(s.rel_l2_mean)
+            });
             let at = shares
                 .iter()
                 .map(|&m| {
@@ -226,6 +258,7 @@ pub fn rank(plan: &Plan, points: &[PointResult], shares: &[f64]) -> Ranking {
         shares: shares.to_vec(),
         primary,
         traces: plan.traces.len(),
+        windows: window.iter().any(|w| *w > 0.0),
         rows,
     }
 }
@@ -271,6 +304,13 @@ impl Ranking {
             percent(self.shares[self.primary]),
             "policy"
         );
+        if self.windows {
+            s = s.replacen(
+                "(share of the full cache)",
+                "(share of the full cache beyond the sliding-window layers' windows, which stay as they are)",
+                1,
+            );
+        }
         for &m in &self.shares {
             s += &format!("  {:>24}", format!("at {}", percent(m)));
         }

@@ -234,10 +234,19 @@ fn figure(
         }
     };
     // first pass: the series, with the ticks of the widest x range
+    let window = rank::window_shares(plan);
+    let window_of = |trace: &str| {
+        plan.traces
+            .iter()
+            .position(|t| trace_name(t) == trace)
+            .map_or(0.0, |i| window[i])
+    };
     let all_x: Vec<f64> = points
         .iter()
         .map(|p| match metric.x {
-            X::Memory => p.summary.memory_ratio,
+            X::Memory => {
+                rank::compressible_share(p.summary.memory_ratio, window_of(&p.summary.trace))
+            }
             X::Budget => p.summary.budget as f64,
         })
         .filter(|x| *x > 0.0)
@@ -254,7 +263,7 @@ fn figure(
     for (ptitle, specs, traces) in panels {
         let mut series = Vec::new();
         for spec in specs {
-            let cs = curves(plan, points, spec, metric.x, &|s| (metric.y)(s));
+            let cs = curves(plan, points, spec, metric.x, &window, &|s| (metric.y)(s));
             let cs: Vec<&Curve> = traces
                 .iter()
                 .filter_map(|&i| cs.get(i).and_then(|c| c.1.as_ref()))
@@ -360,6 +369,9 @@ fn figure(
         caption,
         x: Axis {
             desc: match metric.x {
+                X::Memory if window.iter().any(|w| *w > 0.0) => {
+                    "memory, share of the f16 cache beyond the sliding windows (log)".into()
+                }
                 X::Memory => "memory, share of the full f16 cache (log)".into(),
                 X::Budget => "budget, entries per KV head and layer (log)".into(),
             },
@@ -848,6 +860,18 @@ pub fn write(out: &Path, plan: &Plan) -> Result<(), SweepError> {
         rank::SEED,
         percent(ranking.shares[ranking.primary])
     ));
+    if ranking.windows {
+        html = html.replacen(
+            "<table class=\"sortable\"><thead><tr><th>policy</th><th>family</th>",
+            "<p class=\"cap\">Some traces come from a model with sliding-window layers \
+             (Gemma 3): their windows (min(T, W) entries per layer) stay as they are by default, \
+             so a share here is of the rest of the cache: 10% means the windows plus 10% of \
+             the full-attention layers' cache (the x axis of the memory plots likewise). The \
+             error is still the mean over every layer, sliding ones included.</p>\
+             <table class=\"sortable\"><thead><tr><th>policy</th><th>family</th>",
+            1,
+        );
+    }
     for &m in &ranking.shares {
         html.push_str(&format!(
             "<th title=\"mean relative L2 error at {0} of the full cache\">error at {0}</th>",

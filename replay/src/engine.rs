@@ -425,14 +425,48 @@ pub fn replay_group(
     replay_group_refs(&datas.iter().collect::<Vec<_>>(), policy, b)
 }
 
-/// The policy that builds the caches of a group of layers replayed together:
-/// sliding-window layers keep their window uncompressed (`full`) unless the
-/// policy says otherwise (`+sliding`); a group must be all one or all the
-/// other. Replay and the closed loop (validate) both go through it.
+/// The layer groups `policy` is replayed in on a model whose layer `l` has a
+/// sliding window when `sliding[l]`: the policy's own groups, except that,
+/// unless it compresses sliding layers too (`+sliding`), a group mixing the
+/// two kinds is split into each sliding layer alone (it keeps its window)
+/// and the group's full-attention layers together. (MiniCache pairs adjacent
+/// layers; no two full-attention layers of Gemma 3 are adjacent, so without
+/// `+sliding` it has no pair to merge there.) Replay and the closed loop
+/// (validate) both group layers with it.
+pub fn replay_groups(
+    policy: &dyn Policy,
+    sliding: &[bool],
+    budget: usize,
+    prompt_len: usize,
+) -> Vec<Vec<usize>> {
+    let groups = policy.layer_groups(sliding.len(), budget, prompt_len);
+    if policy.compress_sliding() {
+        return groups;
+    }
+    let mut out = Vec::new();
+    for g in groups {
+        let (win, full): (Vec<usize>, Vec<usize>) = g
+            .iter()
+            .partition(|&&l| sliding.get(l).copied().unwrap_or(false));
+        if win.is_empty() || full.is_empty() {
+            out.push(g);
+        } else {
+            out.extend(win.into_iter().map(|l| vec![l]));
+            out.push(full);
+        }
+    }
+    out
+}
+
+/// The policy that builds the caches of a group of layers replayed together
+/// (one of [`replay_groups`]): `full` for sliding-window layers unless the
+/// policy compresses them too (`+sliding`), else the policy, either way
+/// seeing `datas`' layers as one group. A group mixing the two kinds is
+/// refused (replay_groups never makes one).
 pub fn group_policy<'a>(
     policy: &'a dyn Policy,
     datas: &[&LayerData],
-) -> Result<&'a dyn Policy, ReplayError> {
+) -> Result<Box<dyn Policy + 'a>, ReplayError> {
     static FULL: crate::policies::full::Full = crate::policies::full::Full;
     let sliding = datas.iter().filter(|d| d.window.is_some()).count();
     let keep_window = sliding > 0 && !policy.compress_sliding();
@@ -445,7 +479,55 @@ pub fn group_policy<'a>(
             ),
         });
     }
-    Ok(if keep_window { &FULL } else { policy })
+    Ok(Box::new(AsGroup {
+        base: if keep_window { &FULL } else { policy },
+        layers: datas.iter().map(|d| d.layer).collect(),
+    }))
+}
+
+/// `base` with `layers` as one of its layer groups (and every other layer on
+/// its own), so that a session can cover a group [`replay_groups`] split.
+struct AsGroup<'a> {
+    base: &'a dyn Policy,
+    layers: Vec<usize>,
+}
+
+impl Policy for AsGroup<'_> {
+    fn name(&self) -> String {
+        self.base.name()
+    }
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+    ) -> Result<(Vec<HeadCache>, Box<dyn crate::policy::DecodeState>), ReplayError> {
+        self.base.prefill(ctx)
+    }
+    fn prompt_queries(&self, p: usize, b: usize) -> usize {
+        self.base.prompt_queries(p, b)
+    }
+    fn compress_sliding(&self) -> bool {
+        self.base.compress_sliding()
+    }
+    fn layer_groups(&self, n_layers: usize, _: usize, _: usize) -> Vec<Vec<usize>> {
+        let mut g: Vec<Vec<usize>> = (0..n_layers)
+            .filter(|l| !self.layers.contains(l))
+            .map(|l| vec![l])
+            .collect();
+        g.push(self.layers.clone());
+        g
+    }
+    fn prefill_group(
+        &self,
+        ctxs: &[PrefillCtx],
+    ) -> Result<
+        (
+            Vec<Vec<HeadCache>>,
+            Box<dyn crate::policy::GroupDecodeState>,
+        ),
+        ReplayError,
+    > {
+        self.base.prefill_group(ctxs)
+    }
 }
 
 fn replay_group_refs(
@@ -455,7 +537,7 @@ fn replay_group_refs(
 ) -> Result<Vec<LayerResult>, ReplayError> {
     let (p, t) = (datas[0].prompt_len, datas[0].total_len);
     let policy = group_policy(policy, datas)?;
-    let mut session = Session::prefill(policy, datas, b)?;
+    let mut session = Session::prefill(policy.as_ref(), datas, b)?;
     // The full-cache reference of every decode step: independent of the policy
     // and the budget, so computed once per trace and layer in a sweep.
     let reference: Vec<Arc<Reference>> = datas
@@ -634,7 +716,10 @@ impl<'t> TraceReplay<'t> {
         let m = &self.trace.manifest;
         check_reads(self.trace, policy, budget)?;
         let b = budget.resolve(m.prompt_len())?;
-        let groups = policy.layer_groups(self.trace.n_layers(), b, m.prompt_len());
+        let sliding: Vec<bool> = (0..self.trace.n_layers())
+            .map(|l| m.model.window(l).is_some())
+            .collect();
+        let groups = replay_groups(policy, &sliding, b, m.prompt_len());
         let results = groups
             .par_iter()
             .map(|group| {

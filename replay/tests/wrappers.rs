@@ -374,3 +374,38 @@ fn sliding_layers_keep_their_window_unless_the_policy_says_sliding() {
     let plain = replay_layer(&data, wrapped.as_ref(), 2).unwrap();
     assert_ne!(plain.metrics[0].rel_l2, r.metrics[0].rel_l2);
 }
+
+/// MiniCache on Gemma 3's layer pattern (18 layers, every sixth full): with
+/// start=0 it pairs (0,1), (2,3), ... and (4,5), (10,11), (16,17) mix a
+/// sliding and a full layer. Without +sliding those are split: the sliding
+/// layer alone, the full one alone (no two full layers are adjacent); the
+/// pure pairs stay. With +sliding the policy's own pairs stand.
+#[test]
+fn mixed_cross_layer_groups_are_split_unless_sliding() {
+    use kvreplay_replay::engine::replay_groups;
+    let sliding: Vec<bool> = (0..18).map(|l| l % 6 != 5).collect();
+    let mc = PolicySpec::parse("minicache:start=0")
+        .unwrap()
+        .build()
+        .unwrap();
+    let own = mc.layer_groups(18, 64, 1000);
+    assert_eq!(own.len(), 9);
+    let split = replay_groups(mc.as_ref(), &sliding, 64, 1000);
+    let mut want: Vec<Vec<usize>> = Vec::new();
+    for l in (0..18).step_by(2) {
+        if sliding[l] && sliding[l + 1] {
+            want.push(vec![l, l + 1]);
+        } else {
+            want.push(vec![l]);
+            want.push(vec![l + 1]);
+        }
+    }
+    assert_eq!(split, want);
+    let wrapped = PolicySpec::parse("minicache:start=0+sliding")
+        .unwrap()
+        .build()
+        .unwrap();
+    assert_eq!(replay_groups(wrapped.as_ref(), &sliding, 64, 1000), own);
+    // a model without sliding layers keeps the policy's groups
+    assert_eq!(replay_groups(mc.as_ref(), &[false; 18], 64, 1000), own);
+}

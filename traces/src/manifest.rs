@@ -246,6 +246,26 @@ impl Manifest {
         self.tokens.prompt_len
     }
 
+    /// Share of the full cache at the last position that the sliding-window
+    /// layers' windows hold, min(T, W) entries each against T for a full
+    /// layer (every layer's entries are the same size): 0 without sliding
+    /// layers. By default a policy leaves that part as it is.
+    pub fn window_share(&self) -> f64 {
+        let t = self.total_len();
+        let n = self.model.n_layers;
+        let window: usize = (0..n)
+            .filter_map(|l| self.model.window(l))
+            .map(|w| w.min(t))
+            .sum();
+        if window == 0 {
+            return 0.0;
+        }
+        let all: usize = (0..n)
+            .map(|l| self.model.window(l).map_or(t, |w| w.min(t)))
+            .sum();
+        window as f64 / all as f64
+    }
+
     /// First position whose `q` and `o` are stored (0 in a full trace).
     pub fn query_start(&self) -> usize {
         match self.capture.keep_queries {

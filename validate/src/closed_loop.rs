@@ -10,7 +10,7 @@ use kvreplay_capture::Model;
 use kvreplay_kernels::cpu::{self, AttentionStats};
 use kvreplay_kernels::{Backend, KernelError};
 use kvreplay_replay::cache::HeadCache;
-use kvreplay_replay::engine::group_policy;
+use kvreplay_replay::engine::{group_policy, replay_groups};
 use kvreplay_replay::policy::{LayerData, Policy};
 use kvreplay_replay::{ReplayError, Session};
 
@@ -181,9 +181,10 @@ pub fn decode_compressed(
     // layer group; `at[l]` = (session, layer index within it).
     let mut sessions = Vec::new();
     let mut at = vec![(0, 0); nl];
-    for g in policy.layer_groups(nl, b, pre.prompt_len) {
+    let sliding: Vec<bool> = pre.layers.iter().map(|l| l.window.is_some()).collect();
+    for g in replay_groups(policy, &sliding, b, pre.prompt_len) {
         let layers: Vec<&LayerData> = g.iter().map(|&l| &pre.layers[l]).collect();
-        let session = Session::prefill(group_policy(policy, &layers)?, &layers, b)?;
+        let session = Session::prefill(group_policy(policy, &layers)?.as_ref(), &layers, b)?;
         for (i, &l) in g.iter().enumerate() {
             at[l] = (sessions.len(), i);
         }
