@@ -60,7 +60,7 @@ pub fn bench_capture(b: &CaptureBench) -> Result<()> {
     let mut model =
         Model::load(&b.model).with_context(|| format!("loading model {}", b.model.display()))?;
     model.llama.set_backend(crate::cli::common::open_device(
-        crate::cli::common::capture_device(b.device, &model),
+        b.device,
         crate::cli::common::Work::Capture,
     )?);
     let ids = filler_ids(&model, b.prompt_tokens)?;

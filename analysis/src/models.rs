@@ -15,7 +15,8 @@ use crate::sweep::{load_points, read_plan, SweepError};
 /// One model's sweep, ranked.
 #[derive(Clone, Debug)]
 pub struct ModelSweep {
-    /// The model's name as the traces record it (e.g. `SmolLM2 135M Instruct`).
+    /// The model as the traces record it: its file or checkpoint folder name
+    /// (`SmolLM2-135M-Instruct.Q4_1`), else the name it gives itself.
     pub model: String,
     pub sweep: PathBuf,
     pub ranking: Ranking,
@@ -119,7 +120,13 @@ fn sweep_model(dir: &Path, traces: &[PathBuf]) -> Result<String, SweepError> {
                 t.display()
             ))
         })?;
-        let this = m.model.name.clone().unwrap_or(m.model.source.file_name);
+        // the model file's name (`gemma-3-270m-Q4_K_M`), which says the
+        // quantisation too, else the name the model gives itself
+        let f = &m.model.source.file_name;
+        let this = match f.strip_suffix(".gguf").unwrap_or(f) {
+            "" | "synthetic" => m.model.name.clone().unwrap_or_else(|| f.clone()),
+            stem => stem.to_string(),
+        };
         match &name {
             None => name = Some((this, t)),
             Some((n, first)) if *n != this => {
@@ -190,13 +197,13 @@ impl ModelComparison {
                 "policy"
             ));
             for m in &self.models {
-                s.push_str(&format!("  {:>24}", truncate(&m.model, 24)));
+                s.push_str(&format!("  {:>26}", truncate(&m.model, 26)));
             }
             s.push('\n');
             for p in &self.policies {
                 s.push_str(&format!("{p:w$}"));
                 for m in 0..self.models.len() {
-                    s.push_str(&format!("  {:>24}", self.cell(m, p, k)));
+                    s.push_str(&format!("  {:>26}", self.cell(m, p, k)));
                 }
                 s.push('\n');
             }

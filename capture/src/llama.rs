@@ -312,16 +312,6 @@ impl LlamaConfig {
     }
 }
 
-impl LlamaConfig {
-    /// Whether the CUDA backend runs this model: not yet Gemma 3's
-    /// GELU-tanh, embedding scale and sliding-window attention.
-    pub fn runs_on_cuda(&self) -> bool {
-        self.activation == Activation::Silu
-            && self.embed_scale.is_none()
-            && self.layer_attention.iter().all(|l| l.window.is_none())
-    }
-}
-
 impl Llama {
     /// Load and dequantise every weight to f32.
     pub fn from_gguf(g: &GgufFile) -> Result<Llama, CaptureError> {

@@ -154,7 +154,7 @@ impl Backend {
         }
     }
 
-    /// gate = gelu_tanh(gate) · up (Gemma's GeGLU). CPU only for now.
+    /// gate = gelu_tanh(gate) · up (Gemma's GeGLU).
     pub fn gelu_tanh_mul(&self, gate: &mut Buf, up: &Buf) -> Result<(), KernelError> {
         check(gate.len() == up.len(), "gelu_mul", || {
             "gate and up differ in length".into()
@@ -165,11 +165,11 @@ impl Backend {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(_) => Err(cuda_not_yet("gelu_mul (GELU-tanh gate)")),
+            Backend::Cuda(c) => c.gelu_tanh_mul(gate, up),
         }
     }
 
-    /// x *= s, element-wise (Gemma's embedding scale). CPU only for now.
+    /// x *= s, element-wise (Gemma's embedding scale).
     pub fn scale(&self, x: &mut Buf, s: f32) -> Result<(), KernelError> {
         match self {
             Backend::Cpu => {
@@ -177,7 +177,7 @@ impl Backend {
                 Ok(())
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(_) => Err(cuda_not_yet("scale")),
+            Backend::Cuda(c) => c.scale(x, s),
         }
     }
 
@@ -321,8 +321,7 @@ impl Backend {
 
     /// [`Backend::attention`] with an optional sliding window: the query at
     /// position t attends to keys `max(0, t - W + 1) ..= t` (see
-    /// [`cpu::windowed_attention_head`]). On CUDA only windows that cover
-    /// every position (no key masked) run yet.
+    /// [`cpu::windowed_attention_head`]).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_windowed(
         &self,
@@ -409,22 +408,9 @@ impl Backend {
                 Ok(Buf::Host(o))
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(cu) => {
-                if window.is_some_and(|w| w < n) {
-                    return Err(cuda_not_yet("sliding-window attention"));
-                }
-                cu.attention(q, k, v, s, colsum, probs)
-            }
+            Backend::Cuda(cu) => cu.attention(q, k, v, s, window, colsum, probs),
         }
     }
-}
-
-/// An operation this build runs on the CPU only (Gemma 3's ops).
-#[cfg(feature = "cuda")]
-fn cuda_not_yet(op: &str) -> KernelError {
-    KernelError::Unavailable(format!(
-        "{op} is not supported on CUDA yet (Gemma 3 captures run with --device cpu)"
-    ))
 }
 
 #[cfg(feature = "cuda")]

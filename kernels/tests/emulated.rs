@@ -609,6 +609,66 @@ fn emu_silu_mul() {
     }
 }
 
+/// Exact: the same f32 operations in the same order, and both call the
+/// host's tanhf (Rust's f32::tanh is libm's tanhf).
+#[test]
+fn emu_gelu_tanh_mul() {
+    let mut r = Rng(23);
+    let sizes = [300usize, 1, 256];
+    let data: Vec<(Vec<f32>, Vec<f32>)> = sizes
+        .iter()
+        .map(|&n| {
+            let g = r.vec(n).iter().map(|v| v * 8.0).collect();
+            (g, r.vec(n))
+        })
+        .collect();
+    let launches = sizes
+        .iter()
+        .zip(&data)
+        .map(|(&n, (g, u))| {
+            Launch::new("gelu_tanh_mul", launch::grid_1d(n))
+                .buf(g)
+                .buf(u)
+                .i64(n as i64)
+        })
+        .collect();
+    let Some(ran) = emulate("emu_gelu_tanh_mul", launches) else {
+        return;
+    };
+    for ((&n, (g, u)), got) in sizes.iter().zip(&data).zip(&ran) {
+        let mut want = g.clone();
+        cpu::gelu_tanh_mul(&mut want, u);
+        exact(&got.get::<f32>(0), &want, &format!("gelu_tanh_mul n={n}"));
+    }
+}
+
+/// Exact: one f32 product per element.
+#[test]
+fn emu_scale_inplace() {
+    let mut r = Rng(29);
+    let sizes = [640usize, 1, 257];
+    let data: Vec<Vec<f32>> = sizes.iter().map(|&n| r.vec(n)).collect();
+    let s = 25.298_22f32; // sqrt(640), Gemma 3 270M's embedding scale
+    let launches = sizes
+        .iter()
+        .zip(&data)
+        .map(|(&n, x)| {
+            Launch::new("scale_inplace", launch::grid_1d(n))
+                .buf(x)
+                .float(s)
+                .i64(n as i64)
+        })
+        .collect();
+    let Some(ran) = emulate("emu_scale_inplace", launches) else {
+        return;
+    };
+    for ((&n, x), got) in sizes.iter().zip(&data).zip(&ran) {
+        let mut want = x.clone();
+        cpu::scale(&mut want, s);
+        exact(&got.get::<f32>(0), &want, &format!("scale_inplace n={n}"));
+    }
+}
+
 /// Exact: the same table and the same f32 rotation.
 #[test]
 fn emu_rope() {
@@ -724,6 +784,8 @@ struct Causal {
     heads: usize,
     kv_heads: usize,
     cap: usize,
+    /// Sliding window (keys per query, counting itself), if any.
+    window: Option<usize>,
     scale: f32,
     q: Vec<f32>,       // (heads, c, d)
     k: Vec<f32>,       // (kv_heads, cap, d)
@@ -751,20 +813,26 @@ impl Causal {
     }
 }
 
-/// (c, d, pos0, tracked columns, heads, KV heads, cache capacity): d odd and
-/// tiny; n = 300 keys (> BLOCK and several KEY_SPLIT runs) with pos0 > 0 and
-/// fewer tracked columns than keys; a single query over a single key; 6
-/// heads over 2 KV heads (group 3) in a cache with unused capacity, d = 33.
+/// (c, d, pos0, tracked columns, heads, KV heads, cache capacity, window):
+/// d odd and tiny; n = 300 keys (> BLOCK and several KEY_SPLIT runs) with
+/// pos0 > 0 and fewer tracked columns than keys; a single query over a
+/// single key; 6 heads over 2 KV heads (group 3) in a cache with unused
+/// capacity, d = 33; sliding windows (Gemma 3): 3 keys over a chunk that
+/// starts inside and ends past it, 270 keys (> BLOCK) of 300, and a window
+/// wider than every row (masks nothing).
 fn causal_problems() -> Vec<Causal> {
     let mut r = Rng(16);
     [
-        (3usize, 5usize, 0usize, 3usize, 1usize, 1usize, 3usize),
-        (2, 8, 298, 299, 2, 1, 303),
-        (1, 1, 0, 1, 1, 1, 1),
-        (4, 33, 5, 9, 6, 2, 12),
+        (3usize, 5usize, 0usize, 3usize, 1usize, 1usize, 3usize, None),
+        (2, 8, 298, 299, 2, 1, 303, None),
+        (1, 1, 0, 1, 1, 1, 1, None),
+        (4, 33, 5, 9, 6, 2, 12, None),
+        (6, 8, 1, 7, 4, 1, 9, Some(3usize)),
+        (2, 8, 298, 299, 2, 1, 303, Some(270)),
+        (3, 4, 2, 5, 2, 2, 5, Some(40)),
     ]
     .iter()
-    .map(|&(c, d, pos0, tracked, heads, kv_heads, cap)| {
+    .map(|&(c, d, pos0, tracked, heads, kv_heads, cap, window)| {
         let n = pos0 + c;
         let (q, k, v) = (
             r.vec(heads * c * d),
@@ -781,12 +849,13 @@ fn causal_problems() -> Vec<Causal> {
         let group = heads / kv_heads;
         for h in 0..heads {
             let kv = (h / group * cap) * d..(h / group * cap + n) * d;
-            cpu::causal_attention_head(
+            cpu::windowed_attention_head(
                 &q[h * c * d..(h + 1) * c * d],
                 &k[kv.clone()],
                 &v[kv],
                 d,
                 pos0,
+                window,
                 scale,
                 &mut out[h * c * d..(h + 1) * c * d],
                 AttentionStats {
@@ -802,6 +871,7 @@ fn causal_problems() -> Vec<Causal> {
             heads,
             kv_heads,
             cap,
+            window,
             scale,
             q,
             k,
@@ -836,6 +906,7 @@ fn emu_causal_softmax() {
                 .int(p.cap as i32)
                 .int(p.group() as i32)
                 .float(p.scale)
+                .int(p.window.unwrap_or(0) as i32)
         })
         .collect();
     let Some(ran) = emulate("emu_causal_softmax", launches) else {
@@ -848,7 +919,9 @@ fn emu_causal_softmax() {
             .map(|row| {
                 let (h, i) = (row / p.c, row % p.c);
                 let qi = &p.q[row * d..(row + 1) * d];
-                let logits = (0..=p.pos0 + i).map(|j| (qi, p.key(h, j)));
+                let valid = p.pos0 + i + 1;
+                let lo = p.window.map_or(0, |w| valid.saturating_sub(w));
+                let logits = (lo..valid).map(|j| (qi, p.key(h, j)));
                 let delta = logits
                     .clone()
                     .map(|(a, b)| dot_orders(a, b))
@@ -864,8 +937,8 @@ fn emu_causal_softmax() {
             &p.probs,
             |o| rel[o / n] * p.probs[o].abs() as f64,
             &format!(
-                "causal_softmax c={} d={d} pos0={} heads={}/{}",
-                p.c, p.pos0, p.heads, p.kv_heads
+                "causal_softmax c={} d={d} pos0={} heads={}/{} window {:?}",
+                p.c, p.pos0, p.heads, p.kv_heads, p.window
             ),
         );
     }

@@ -374,6 +374,144 @@ fn parity_layer_attention_all_heads_in_one_call() {
 }
 
 #[test]
+fn parity_gelu_tanh_mul_and_scale() {
+    // Gemma 3's GeGLU gate and embedding scale.
+    for b in backends("parity_gelu_tanh_mul_and_scale") {
+        let mut r = Rng(13);
+        let g0: Vec<f32> = r.vec(1000).iter().map(|v| v * 8.0).collect();
+        let up = r.vec(1000);
+        let mut g = b.upload(&g0).unwrap();
+        b.gelu_tanh_mul(&mut g, &b.upload(&up).unwrap()).unwrap();
+        let g = b.download(&g).unwrap().into_owned();
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        let want: Vec<f64> = g0
+            .iter()
+            .zip(&up)
+            .map(|(&x, &u)| {
+                let x = x as f64;
+                0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh()) * u as f64
+            })
+            .collect();
+        // the f32 constant sqrt(2/pi) (relative 3e-8), tanh within a few ulps
+        // and six roundings, relative to |x·u| (1 + tanh cancels for x << 0)
+        close(
+            &g,
+            &want,
+            |i| 32.0 * 2f64.powi(-24) * (g0[i] as f64 * up[i] as f64).abs() + 1e-37,
+            "gelu_tanh_mul",
+        );
+        let x0 = r.vec(640);
+        let mut x = b.upload(&x0).unwrap();
+        b.scale(&mut x, 25.298_22).unwrap();
+        let x = b.download(&x).unwrap().into_owned();
+        let want: Vec<f64> = x0.iter().map(|v| *v as f64 * 25.298_22f32 as f64).collect();
+        // one rounding
+        close(&x, &want, |i| 2f64.powi(-24) * want[i].abs(), "scale");
+    }
+}
+
+#[test]
+fn parity_sliding_window_attention() {
+    // Gemma 3's local layers: 4 query heads over 1 KV head, a window of 37
+    // keys, a chunk at pos0 = 60 (every row's window starts inside the
+    // cache), column sums and probabilities; keys before the window get 0.
+    for b in backends("parity_sliding_window_attention") {
+        let mut r = Rng(14);
+        let (nh, nkv, d, pos0, c, cap, w) = (4, 1, 16, 60, 7, 70, 37usize);
+        let n = pos0 + c;
+        let (q, k, v) = (
+            r.vec(nh * c * d),
+            r.vec(nkv * cap * d),
+            r.vec(nkv * cap * d),
+        );
+        let scale = 1.0 / (d as f32).sqrt();
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            c,
+            pos0,
+            cap,
+            head_dim: d,
+            scale,
+        };
+        let mut cs = b.upload(&vec![0f32; nh * n]).unwrap();
+        let mut pr = b.zeros(nh * c * n).unwrap();
+        let o = b
+            .attention_windowed(
+                &b.upload(&q).unwrap(),
+                &b.upload(&k).unwrap(),
+                &b.upload(&v).unwrap(),
+                shape,
+                Some(w),
+                Some(&mut cs),
+                Some(&mut pr),
+            )
+            .unwrap();
+        let (o, cs, pr) = (
+            b.download(&o).unwrap().into_owned(),
+            b.download(&cs).unwrap().into_owned(),
+            b.download(&pr).unwrap().into_owned(),
+        );
+        for h in 0..nh {
+            let mut want_p = vec![0f64; c * n];
+            let mut want_o = vec![0f64; c * d];
+            let mut want_cs = vec![0f64; n];
+            for i in 0..c {
+                let t = pos0 + i;
+                let js: Vec<usize> = (t + 1 - w..=t).collect();
+                let qi = &q[(h * c + i) * d..(h * c + i + 1) * d];
+                let l: Vec<f64> = js
+                    .iter()
+                    .map(|&j| {
+                        (0..d)
+                            .map(|e| qi[e] as f64 * k[j * d + e] as f64)
+                            .sum::<f64>()
+                            * scale as f64
+                    })
+                    .collect();
+                let mx = l.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = l.iter().map(|x| (x - mx).exp()).sum();
+                for (jj, &j) in js.iter().enumerate() {
+                    let pj = (l[jj] - mx).exp() / z;
+                    want_p[i * n + j] = pj;
+                    want_cs[j] += pj;
+                    for e in 0..d {
+                        want_o[i * d + e] += pj * v[j * d + e] as f64;
+                    }
+                }
+            }
+            let what = |x: &str| format!("head {h} {x}");
+            // tolerances as in parity_causal_attention_with_column_sums_and_probs;
+            // keys outside the window exactly 0
+            close(
+                &pr[h * c * n..(h + 1) * c * n],
+                &want_p,
+                |i| 1e-5 * want_p[i] + if want_p[i] == 0.0 { 0.0 } else { 1e-9 },
+                &what("probs"),
+            );
+            close(
+                &o[h * c * d..(h + 1) * c * d],
+                &want_o,
+                |_| 2e-6,
+                &what("out"),
+            );
+            close(
+                &cs[h * n..(h + 1) * n],
+                &want_cs,
+                |i| {
+                    if want_cs[i] == 0.0 {
+                        0.0
+                    } else {
+                        2e-6 * c as f64
+                    }
+                },
+                &what("colsum"),
+            );
+        }
+    }
+}
+
+#[test]
 fn parity_residual_add_transpose_and_copy() {
     // Data movement and an element-wise add: exact on every device.
     for b in backends("parity_residual_add_transpose_and_copy") {

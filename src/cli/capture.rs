@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use kvreplay_capture::{capture, CaptureOptions, Model, Phase, Progress};
 use kvreplay_traces::{Dtype, Span, Trace};
 
-use super::common::{capture_device, open_device, resolve_model, Work};
+use super::common::{open_device, resolve_model, Work};
 
 #[derive(Args)]
 pub(super) struct CaptureArgs {
@@ -131,10 +131,9 @@ pub(super) fn cmd_capture(a: CaptureArgs) -> Result<()> {
     let mut model = Model::load(&model_path)
         .with_context(|| format!("loading model {}", model_path.display()))?;
     spinner.finish_and_clear();
-    model.llama.set_backend(open_device(
-        capture_device(a.device, &model),
-        Work::Capture,
-    )?);
+    model
+        .llama
+        .set_backend(open_device(a.device, Work::Capture)?);
     let mut opts = CaptureOptions::new(prompt, &a.out);
     opts.prompt_source = source;
     if let Some(task) = &a.task {
@@ -199,10 +198,9 @@ fn capture_suite(a: &CaptureArgs, suite: &str, model_path: &Path) -> Result<()> 
     let items = kvreplay_capture::tasks::default_suite();
     // Opened even when every trace exists: a finished trace is kept only if
     // it came from the device this run would use.
-    model.llama.set_backend(open_device(
-        capture_device(a.device, &model),
-        Work::Capture,
-    )?);
+    model
+        .llama
+        .set_backend(open_device(a.device, Work::Capture)?);
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let bar = ProgressBar::new(items.len() as u64);
     bar.set_style(

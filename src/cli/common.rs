@@ -105,24 +105,6 @@ pub fn open_device(
     Ok(o.backend)
 }
 
-/// `--device auto` for capturing `model`: the CPU, with a note, for a model
-/// the CUDA backend cannot run yet (Gemma 3); `--device cuda` is kept and
-/// fails with the reason.
-pub fn capture_device(
-    req: kvreplay_kernels::DeviceRequest,
-    model: &kvreplay_capture::Model,
-) -> kvreplay_kernels::DeviceRequest {
-    use kvreplay_kernels::DeviceRequest;
-    if req == DeviceRequest::Auto && !model.llama.cfg.runs_on_cuda() {
-        eprintln!(
-            "--device auto: capturing on the CPU ({} runs on the CPU only for now)",
-            model.architecture
-        );
-        return DeviceRequest::Cpu;
-    }
-    req
-}
-
 /// Expand sweep trace arguments: a trace folder, or a folder of trace folders.
 pub fn expand_traces(args: &[PathBuf]) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();

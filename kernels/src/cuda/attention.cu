@@ -10,31 +10,37 @@
 //
 // Causal softmax rows: one BLOCK per (query row, head). exp in f32 of
 // (s * scale - max * scale), normaliser summed in f64, zeros above the diagonal.
+// window > 0: a sliding window of that many keys, the query at position t
+// sees keys max(0, t - window + 1) ..= t and the older ones get exactly 0
+// (Gemma 3's local layers; CPU twin: cpu::windowed_attention_head); 0: none.
 extern "C" __global__ void causal_softmax(const float* q, const float* k, float* p, int c, int n,
-                                          int d, int pos0, int cap, int group, float scale) {
+                                          int d, int pos0, int cap, int group, float scale,
+                                          int window) {
     __shared__ float shf[BLOCK];
     __shared__ double shd[BLOCK];
     int i = blockIdx.x, h = blockIdx.y;
     int valid = pos0 + i + 1;
+    int lo = window > 0 && valid > window ? valid - window : 0;
     const float* qi = q + ((i64)h * c + i) * d;
     const float* kh = k + (i64)(h / group) * cap * d;
     float* row = p + ((i64)h * c + i) * n;
     float mx = -INFINITY;
     for (int j = threadIdx.x; j < n; j += BLOCK) {
-        float s = j < valid ? dot_seq(qi, kh + (i64)j * d, d) : 0.0f;
+        bool live = j >= lo && j < valid;
+        float s = live ? dot_seq(qi, kh + (i64)j * d, d) : 0.0f;
         row[j] = s;
-        if (j < valid) mx = fmaxf(mx, s);
+        if (live) mx = fmaxf(mx, s);
     }
     mx = block_max(mx, shf) * scale;
     double z = 0.0;
-    for (int j = threadIdx.x; j < valid; j += BLOCK) {
+    for (int j = lo + threadIdx.x; j < valid; j += BLOCK) {
         float e = expf(row[j] * scale - mx);
         row[j] = e;
         z += (double)e;
     }
     z = block_sum(z, shd);
     float inv = (float)(1.0 / z);
-    for (int j = threadIdx.x; j < n; j += BLOCK) row[j] = j < valid ? row[j] * inv : 0.0f;
+    for (int j = threadIdx.x; j < n; j += BLOCK) row[j] = j >= lo && j < valid ? row[j] * inv : 0.0f;
 }
 
 // Split-K product with v: part (heads, c, splits, d) holds, for split s,

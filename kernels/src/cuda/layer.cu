@@ -30,6 +30,23 @@ extern "C" __global__ void silu_mul(float* gate, const float* up, i64 n) {
     gate[i] = g / (1.0f + expf(-g)) * up[i];
 }
 
+// gate = gelu_tanh(gate) * up, element-wise (Gemma's GeGLU): the CPU twin's
+// f32 operations in its order, with tanhf.
+extern "C" __global__ void gelu_tanh_mul(float* gate, const float* up, i64 n) {
+    i64 i = global_id();
+    if (i >= n) return;
+    float x = gate[i];
+    float inner = 0.7978846f * (x + 0.044715f * x * x * x);
+    gate[i] = 0.5f * x * (1.0f + tanhf(inner)) * up[i];
+}
+
+// x *= s, element-wise (Gemma's embedding scale).
+extern "C" __global__ void scale_inplace(float* x, float s, i64 n) {
+    i64 i = global_id();
+    if (i >= n) return;
+    x[i] *= s;
+}
+
 // Rotate x (rows, n_heads, head_dim) in place by a (rows, half, 2) cos/sin
 // table; one thread per rotated pair. interleaved: pairs (2i, 2i+1), else
 // (i, i + half).

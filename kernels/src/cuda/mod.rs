@@ -353,6 +353,35 @@ impl Cuda {
         Ok(())
     }
 
+    pub fn gelu_tanh_mul(&self, gate: &mut Buf, up: &Buf) -> Result<(), KernelError> {
+        let n = gate.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let n_i = n as i64;
+        let ud = dev(up)?;
+        let gd = dev_mut(gate)?;
+        let mut b = self.stream.launch_builder(self.f("gelu_tanh_mul"));
+        b.arg(gd).arg(ud).arg(&n_i);
+        // SAFETY: both buffers hold n elements.
+        unsafe { b.launch(grid_1d(n)) }.map_err(cu("gelu_tanh_mul"))?;
+        Ok(())
+    }
+
+    pub fn scale(&self, x: &mut Buf, s: f32) -> Result<(), KernelError> {
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let n_i = n as i64;
+        let xd = dev_mut(x)?;
+        let mut b = self.stream.launch_builder(self.f("scale_inplace"));
+        b.arg(xd).arg(&s).arg(&n_i);
+        // SAFETY: x holds n elements.
+        unsafe { b.launch(grid_1d(n)) }.map_err(cu("scale_inplace"))?;
+        Ok(())
+    }
+
     pub fn rotate(
         &self,
         x: &mut Buf,
@@ -434,10 +463,13 @@ impl Cuda {
         k: &Buf,
         v: &Buf,
         s: AttnShape,
+        window: Option<usize>,
         colsum: Option<&mut Buf>,
         probs: Option<&mut Buf>,
     ) -> Result<Buf, KernelError> {
         let (nh, c, d) = (s.n_heads, s.c, s.head_dim);
+        // 0: no window (a window covering every key masks nothing either)
+        let wi = window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
         let n = s.pos0 + c;
         let group = (nh / s.n_kv_heads) as i32;
         let (ci, ni, di, p0, capi) = (c as i32, n as i32, d as i32, s.pos0 as i32, s.cap as i32);
@@ -459,7 +491,8 @@ impl Cuda {
             .arg(&p0)
             .arg(&capi)
             .arg(&group)
-            .arg(&s.scale);
+            .arg(&s.scale)
+            .arg(&wi);
         // SAFETY: one block per (query row, head); q (nh,c,d), k (nkv,cap,d)
         // with n <= cap, p (nh,c,n).
         unsafe { b.launch(cfg(launch::rows_heads(c, nh, BLOCK))) }.map_err(cu("causal_softmax"))?;

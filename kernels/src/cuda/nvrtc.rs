@@ -23,6 +23,8 @@ pub const SOURCES: &[(&str, &str, &[&str])] = &[
             "embedding",
             "rms_norm",
             "silu_mul",
+            "gelu_tanh_mul",
+            "scale_inplace",
             "rope",
             "add_inplace",
             "transpose_heads",
