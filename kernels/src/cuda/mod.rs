@@ -457,6 +457,7 @@ impl Cuda {
     }
 
     /// See [`crate::Backend::attention`]; shapes were checked by the caller.
+    #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
         q: &Buf,
