@@ -7,7 +7,7 @@
 #   c. end to end on SmolLM2: one ~2,000-token prompt captured with --device
 #      cpu and --device cuda, the traces compared (q/k/v/o per layer, greedy
 #      tokens), a few policies replayed on both and on each device;
-#   d. Gemma 3 (when capture supports it);
+#   d. Gemma 3 (with KVREPLAY_GEMMA3_MODEL set): CPU against CUDA, as c;
 #   e. compute-sanitizer memcheck and racecheck on a small CUDA capture;
 #   f. capture throughput on each device.
 # Without a GPU every device section is skipped and it exits 0. It exits 1
@@ -19,7 +19,7 @@
 #   KVREPLAY_PARITY_BIN      a prebuilt parity test binary (default: cargo test ... --test parity)
 #   KVREPLAY_MODEL           the model (default: models/SmolLM2-135M-Instruct.Q4_1.gguf,
 #                            fetched by scripts/fetch-model.sh when missing)
-#   KVREPLAY_GEMMA3_MODEL    a Gemma 3 GGUF for section d, once capture supports it
+#   KVREPLAY_GEMMA3_MODEL    a Gemma 3 GGUF for section d (scripts/fetch-model.sh gemma3)
 #   KVREPLAY_GPU_CHECK_DIR   where traces and logs go (default: a new temporary folder)
 #   KVREPLAY_GPU_CHECK_REPS  captures per device in section f (default 3)
 #   KVREPLAY_GPU_CHECK_DEVICE the device compared with the CPU (default cuda;
