@@ -23,8 +23,9 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use crate::rank::compressible_share;
-use crate::sweep::{load_points, read_plan, trace_name, Plan, PointResult, SweepError};
+use crate::sweep::{
+    compressible_share, load_points, read_plan, trace_name, Plan, PointResult, SweepError,
+};
 use kvreplay_replay::PolicySpec;
 
 #[derive(Debug, thiserror::Error)]
@@ -487,7 +488,7 @@ pub fn compare_points(
     let a = resolve_method(plan, &opts.a)?;
     let b = resolve_method(plan, &opts.b)?;
     // memory as a share of what a policy compresses (beyond sliding windows)
-    let window = crate::rank::window_shares(plan);
+    let window = crate::sweep::window_shares(plan);
     let curve = |trace: &str, spec: &str, w: f64| {
         let pts: Vec<(f64, f64, usize)> = points
             .iter()

@@ -234,7 +234,7 @@ fn figure(
         }
     };
     // first pass: the series, with the ticks of the widest x range
-    let window = rank::window_shares(plan);
+    let window = crate::sweep::window_shares(plan);
     let window_of = |trace: &str| {
         plan.traces
             .iter()
@@ -244,9 +244,10 @@ fn figure(
     let all_x: Vec<f64> = points
         .iter()
         .map(|p| match metric.x {
-            X::Memory => {
-                rank::compressible_share(p.summary.memory_ratio, window_of(&p.summary.trace))
-            }
+            X::Memory => crate::sweep::compressible_share(
+                p.summary.memory_ratio,
+                window_of(&p.summary.trace),
+            ),
             X::Budget => p.summary.budget as f64,
         })
         .filter(|x| *x > 0.0)

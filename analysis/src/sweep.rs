@@ -293,6 +293,28 @@ impl Plan {
     }
 }
 
+/// Per plan trace, the share of its full cache that sliding-window layers'
+/// windows hold ([`kvreplay_traces::Manifest::window_share`]; 0 for models
+/// without sliding layers, and for a trace that can no longer be read).
+pub fn window_shares(plan: &Plan) -> Vec<f64> {
+    plan.traces
+        .iter()
+        .map(|t| kvreplay_traces::Manifest::read(t).map_or(0.0, |m| m.window_share()))
+        .collect()
+}
+
+/// A point's memory as a share of the cache a policy compresses: on a model
+/// with sliding-window layers (Gemma 3) the windows' part `window` of the
+/// full cache stays as it is by default, so 10% means the windows plus 10%
+/// of the rest; without sliding layers, `memory_ratio` itself.
+pub fn compressible_share(memory_ratio: f64, window: f64) -> f64 {
+    if window == 0.0 {
+        memory_ratio
+    } else {
+        (memory_ratio - window) / (1.0 - window)
+    }
+}
+
 /// A trace's name in the outputs: its directory name.
 pub fn trace_name(p: &Path) -> String {
     p.file_name()

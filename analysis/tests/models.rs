@@ -5,8 +5,7 @@
 mod common;
 use common::{synthetic_manifest, write_trace};
 use kvreplay_analysis::models::compare_models;
-use kvreplay_analysis::rank::compressible_share;
-use kvreplay_analysis::sweep::{run, Plan};
+use kvreplay_analysis::sweep::{compressible_share, run, Plan};
 use kvreplay_traces::LayerAttention;
 use std::path::{Path, PathBuf};
 
