@@ -16,9 +16,12 @@ pub mod d2o;
 pub mod ems;
 pub mod full;
 pub mod h2o;
+pub mod keydiff;
 pub mod knorm;
 pub mod kvmerger;
+pub mod lagkv;
 pub mod minicache;
+pub mod observed_attention;
 pub mod pyramidkv;
 pub mod quant;
 pub mod random;
@@ -48,6 +51,9 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &ems::INFO,
     &quant::INFO,
     &sliding::INFO,
+    &observed_attention::INFO,
+    &keydiff::INFO,
+    &lagkv::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {
