@@ -10,6 +10,12 @@ decode query of a head at once where the kept set is known in advance (a
 (steps, T) mask), and a step loop only where the policy needs it (H2O's
 decode-time eviction). Computed in float64 from the trace's f16 values.
 
+Also the prefill-only kvpress presses, each a direct transcription of its rule
+(docs/methods/NAME.md) with default parameters: `observed_attention`,
+`keydiff` (block-wise, block 128), `lagkv` (n_sink 4, lag 128); a policy may
+carry one parameter, `NAME:key=value` (`keydiff:preset=kvpress`,
+`lagkv:cross_scoring=true`). tests/replay_real.rs checks these against replay.
+
 Usage: reference_replay.py TRACE_DIR --budgets 32,64,... [--policies full,snapkv,h2o,streaming_llm]
 Prints one JSON object: {"seconds": total, "points": [{policy, budget, seconds, rel_l2, cosine, attn_mass, kl}]}.
 """
@@ -68,7 +74,72 @@ def prompt_attention(q, k, rows, scale):
     return softmax_masked(logits, mask)
 
 
+def observed_attention_keep(colsum, heads, p, b, **_):
+    """Column sums / causal count (P - i), group mean, top B."""
+    s = colsum[list(heads)].mean(axis=0) / (p - np.arange(p))
+    return top_k(s, np.arange(p), b)
+
+
+def keydiff_scores(kg, idx):
+    """-cos(k_i, anchor) for positions idx; anchor = mean of the unit keys of idx."""
+    x = kg[idx]
+    n = np.maximum(np.linalg.norm(x, axis=1), 1e-12)
+    anchor = (x / n[:, None]).mean(axis=0)
+    return -(x @ anchor) / np.maximum(n * np.linalg.norm(anchor), 1e-12)
+
+
+def keydiff_keep(kg, p, b, preset="paper", block="128", **_):
+    """Block-wise: start with 0..B, append each block, cut back to the top B by
+    the scores over the cache. preset=kvpress: the whole prompt at once."""
+    s = np.zeros(p)
+    if preset == "kvpress":
+        s[:] = keydiff_scores(kg, np.arange(p))
+        return top_k(s, np.arange(p), b)
+    kept = np.arange(b)
+    for start in range(b, p, int(block)):
+        cur = np.concatenate([kept, np.arange(start, min(start + int(block), p))])
+        s[cur] = keydiff_scores(kg, cur)
+        kept = top_k(s, cur, b)
+    return kept
+
+
+def lagkv_keep(kg, vg, p, b, n_sink="4", lag="128", cross_scoring="false", **_):
+    """Sinks, last partition and tail score 1; each earlier partition is scored
+    by the softmaxed spread of its keys and values min-max normalised by the next
+    partition's range, then ranked within the partition (unless cross_scoring)."""
+    ns, lag = int(n_sink), int(lag)
+    if p < ns + 2 * lag:
+        s = np.ones(p)
+        s[ns:] = np.arange(p - ns) / (p - ns)
+        return top_k(s, np.arange(p), b)
+    n_part = (p - ns) // lag
+    s = np.ones(p)
+
+    def spread(x, part, ref):
+        lo, hi = x[ref].min(axis=0), x[ref].max(axis=0)
+        rng = hi - lo
+        z = np.where(rng > 0, (x[part] - lo) / np.where(rng > 0, rng, 1), 0.0)
+        sd = z.std(axis=1, ddof=1)
+        e = np.exp(sd - sd.max())
+        return e / e.sum()
+
+    for m in range(n_part - 1):
+        part = np.arange(ns + m * lag, ns + (m + 1) * lag)
+        ref = part + lag
+        sc = (spread(kg, part, ref) + spread(vg, part, ref)) / 2
+        if cross_scoring == "true":
+            s[part] = sc
+        else:
+            s[part[np.argsort(sc, kind="stable")]] = np.arange(lag) / lag
+    return top_k(s, np.arange(p), b)
+
+
+PRESSES = {"observed_attention": observed_attention_keep, "keydiff": keydiff_keep, "lagkv": lagkv_keep}
+
+
 def replay(policy, b, man, layers):
+    name, _, opt = policy.partition(":")
+    opts = dict([opt.split("=")]) if opt else {}
     m = man["model"]
     nh, nkv, scale = m["n_heads"], m["n_kv_heads"], m["attn_scale"]
     group = nh // nkv
@@ -101,6 +172,15 @@ def replay(policy, b, man, layers):
                 prompt_kept[keep] = True
                 prompt_kept[p:] = True
                 kept = causal & prompt_kept[None, :]
+            elif name in PRESSES:
+                if p <= b:
+                    kept = causal
+                else:
+                    keep = PRESSES[name](kg=k[g], vg=v[g], colsum=colsum, heads=heads, p=p, b=b, **opts)
+                    prompt_kept = np.zeros(t_all, bool)
+                    prompt_kept[keep] = True
+                    prompt_kept[p:] = True
+                    kept = causal & prompt_kept[None, :]
             for h in heads:
                 logits = scale * q[h, steps] @ k[g].T  # (n, T)
                 p_full = softmax_masked(logits, causal)
