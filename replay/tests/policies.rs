@@ -1192,3 +1192,109 @@ fn lagkv_ranks_each_partition_against_the_next() {
     // P < n_sink + 2·lag (lag = 4): sinks, then the most recent
     assert_eq!(kept("lagkv:n_sink=1,lag=4", &data, 3), vec![vec![0, 4, 5]]);
 }
+
+#[test]
+fn a2sf_forgets_old_attention_geometrically() {
+    // Every query has logits s = [0, 0, 0, 2, 0] over the keys it sees (P = 5):
+    //   row 0 [1]; row 1 [.5 .5]; row 2 [.333 ×3];
+    //   row 3 [.0963 ×3, .7112]; row 4 [.0878 ×3, .6488, .0878].
+    // H2O (α = 1): column sums 2.017, 1.017, .517, 1.360, .088 → B = 1 keeps 0.
+    // α = .5, row j weighted .5^(4 − j):
+    //   s0 = .0625 + .125·.5 + .25·.333 + .5·.0963 + .0878 = .344
+    //   s3 = .5·.7112 + .6488 = 1.004 (s1 = .282, s2 = .219, s4 = .088)
+    //   → B = 1 keeps 3, B = 2 keeps {0, 3}.
+    let data = simple_layer(&[vec![0.0, 0.0, 0.0, 2.0, 0.0, 0.0]], 1, 5, 0, 1);
+    assert_eq!(kept("h2o:recent=0", &data, 1), vec![vec![0]]);
+    assert_eq!(kept("a2sf:alpha=0.5,recent=0", &data, 1), vec![vec![3]]);
+    assert_eq!(kept("a2sf:alpha=0.5,recent=0", &data, 2), vec![vec![0, 3]]);
+
+    // Decode. Logits [0, −5, −5, 0, 0], P = 4, B = 3, recent = 1, α = .5:
+    //   rows: [1]; [.9933 .0067]; [.9867 .0067 .0067]; [.4967 .0034 .0034 .4967]
+    //   s = (1.363, .0084, .0067, .4967): keep 3 and the top 2 of {0, 1, 2} = {0, 1, 3}.
+    // Step 4 sees {0, 1, 3, 4} with attention (.3326, .0022, .3326, .3326):
+    //   s ← .5·s + a = (1.014, .0064, .581, .333); outside the recent 1 the
+    //   lowest is position 1: {0, 3, 4}.
+    let data = simple_layer(&[vec![0.0, -5.0, -5.0, 0.0, 0.0]], 1, 4, 0, 1);
+    let steps = run_steps("a2sf:alpha=0.5,recent=1", &data, 3);
+    assert_eq!(steps[0][0].positions(), vec![0, 1, 3]);
+    assert_eq!(steps[1][0].positions(), vec![0, 3, 4]);
+
+    // α = 1 is H2O, at prefill and through decode (GQA group mean included)
+    let data = random_layer(7, 4, 2, 8, 24, 32);
+    for b in [4, 9, 16] {
+        let a = run_steps("a2sf:alpha=1", &data, b);
+        let h = run_steps("h2o", &data, b);
+        for (x, y) in a.iter().zip(&h) {
+            let px: Vec<_> = x.iter().map(|c| c.positions()).collect();
+            let py: Vec<_> = y.iter().map(|c| c.positions()).collect();
+            assert_eq!(px, py, "B = {b}");
+        }
+    }
+}
+
+#[test]
+fn cur_scores_windowed_key_and_value_leverage() {
+    // P = 6, keys (1,0) (1,0) (2,0) (1,0) (1,0) (3,0), values (i, 1), n_sink = 1.
+    // ‖k‖² = 1 1 4 1 1 9, ‖v‖² = 1 2 5 10 17 26.
+    // window = 2: per pair of positions each divided by the pair's sum
+    //   keys .5 .5 | .8 .2 | .1 .9    values .333 .667 | .333 .667 | .395 .605
+    //   product (sink), .333, .267, .133, .040, .544
+    //   → B = 3 keeps {0, 1, 5}, B = 4 adds 2.
+    // window = none: the raw products (sink), 2, 20, 10, 17, 234
+    //   → B = 3 keeps {0, 2, 5}, B = 4 adds 4.
+    let keys = [
+        [1.0, 0.0],
+        [1.0, 0.0],
+        [2.0, 0.0],
+        [1.0, 0.0],
+        [1.0, 0.0],
+        [3.0, 0.0],
+    ];
+    let data = keyed_layer(&keys, vec![0.0; 6], 1);
+    assert_eq!(kept("cur:n_sink=1,window=2", &data, 3), vec![vec![0, 1, 5]]);
+    assert_eq!(
+        kept("cur:n_sink=1,window=2", &data, 4),
+        vec![vec![0, 1, 2, 5]]
+    );
+    assert_eq!(
+        kept("cur:n_sink=1,window=none", &data, 3),
+        vec![vec![0, 2, 5]]
+    );
+    assert_eq!(
+        kept("cur:n_sink=1,window=none", &data, 4),
+        vec![vec![0, 2, 4, 5]]
+    );
+    // keys alone, window = 2: (sink), .5, .8, .2, .1, .9 → {0, 2, 5}
+    assert_eq!(
+        kept("cur:n_sink=1,window=2,leverage=key", &data, 3),
+        vec![vec![0, 2, 5]]
+    );
+    // the default window (16) covers the prompt: the raw order; 4 sinks at B = 4
+    assert_eq!(kept("cur", &data, 5), vec![vec![0, 1, 2, 3, 5]]);
+}
+
+#[test]
+fn leverage_keeps_the_outlying_keys() {
+    // Keys (d = 2, no RoPE), every one shifted by (50, 50), which the centring removes:
+    //   (30, 0) (−10, 0) (−10, 0) (−10, 0) (0, 10) (0, −10)
+    // Centred Gram matrix diag(1200, 200). An invertible sketch leaves the
+    // leverage (hat-matrix diagonal) unchanged up to λ = 0.01 against entries
+    // of order 10³: h = 900/1200, 100/1200 (×3), 100/200, 100/200
+    //   = .75, .083, .083, .083, .5, .5 → B = 1 keeps {0}, B = 3 keeps {0, 4, 5}.
+    let keys = [
+        [30.0, 0.0],
+        [-10.0, 0.0],
+        [-10.0, 0.0],
+        [-10.0, 0.0],
+        [0.0, 10.0],
+        [0.0, -10.0],
+    ]
+    .map(|[a, b]| [a + 50.0, b + 50.0]);
+    let data = keyed_layer(&keys, vec![0.0; 6], 1);
+    for spec in ["leverage:sketch=2", "leverage", "leverage:seed=7"] {
+        assert_eq!(kept(spec, &data, 1), vec![vec![0]], "{spec}");
+        assert_eq!(kept(spec, &data, 3), vec![vec![0, 4, 5]], "{spec}");
+    }
+    // (without the centring the hat diagonal would be .84, .23 ×3, .30, .19,
+    // and B = 3 would keep {0, 3, 4})
+}

@@ -9,9 +9,11 @@
 
 pub use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 
+pub mod a2sf;
 pub mod adakv;
 pub mod ahakv;
 pub mod cam;
+pub mod cur;
 pub mod d2o;
 pub mod ems;
 pub mod full;
@@ -20,6 +22,7 @@ pub mod keydiff;
 pub mod knorm;
 pub mod kvmerger;
 pub mod lagkv;
+pub mod leverage;
 pub mod minicache;
 pub mod observed_attention;
 pub mod pyramidkv;
@@ -54,6 +57,9 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &observed_attention::INFO,
     &keydiff::INFO,
     &lagkv::INFO,
+    &a2sf::INFO,
+    &leverage::INFO,
+    &cur::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {
