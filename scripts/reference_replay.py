@@ -109,7 +109,7 @@ def keydiff_keep(kg, p, b, preset="paper", block="128", **_):
 
 
 def lagkv_keep(kg, vg, p, b, n_sink="4", lag="128", cross_scoring="false", **_):
-    """Sinks, last partition and tail score 1; each earlier partition is scored
+    """Last partition and tail score 1, sinks 2; each earlier partition is scored
     by the softmaxed spread of its keys and values min-max normalised by the next
     partition's range, then ranked within the partition (unless cross_scoring)."""
     ns, lag = int(n_sink), int(lag)
@@ -119,6 +119,7 @@ def lagkv_keep(kg, vg, p, b, n_sink="4", lag="128", cross_scoring="false", **_):
         return top_k(s, np.arange(p), b)
     n_part = (p - ns) // lag
     s = np.ones(p)
+    s[:ns] = 2.0  # sinks above the last partition and the tail
 
     def spread(x, part, ref):
         lo, hi = x[ref].min(axis=0), x[ref].max(axis=0)

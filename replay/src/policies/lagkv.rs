@@ -5,8 +5,8 @@
 //! standard deviation over channels, softmax over the partition, and the key
 //! and value scores are averaged. Unless `cross_scoring`, the score becomes
 //! the rank within the partition divided by `lag`, so the top B takes about
-//! as many positions from every partition. The sinks, the last full partition
-//! and the remainder after it score 1 (kept first). A prompt shorter than
+//! as many positions from every partition. The last full partition and the
+//! remainder after it score 1, the sinks above them (kvpress: 1, a tie). A prompt shorter than
 //! n_sink + 2·lag gets StreamingLLM's order (sinks, then the most recent).
 //! Prefill only.
 
@@ -42,6 +42,9 @@ pub static INFO: PolicyInfo = PolicyInfo {
         Ok(Arc::new(LagKv { n_sink: p.int("n_sink")?, lag, cross_scoring: p.bool("cross_scoring")? }))
     }),
 };
+
+/// The sinks' score: above the 1 of the last partition and the tail.
+const SINK: f32 = 2.0;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LagKv {
@@ -122,6 +125,9 @@ impl LagKv {
                 .collect::<Vec<f64>>()
         };
         let mut out = vec![1f32; p];
+        // kvpress gives the sinks 1 too; when B cannot hold every position
+        // scoring 1, the tie is ours to break: the sinks first
+        out[..s].iter_mut().for_each(|x| *x = SINK);
         for k in 0..n_part - 1 {
             let part = s + k * lag..s + (k + 1) * lag;
             let reference = part.end..part.end + lag;
