@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent, straightforward NumPy replay of four policies on a kvreplay trace.
+"""Independent, straightforward NumPy replay of policies on a kvreplay trace.
 
 For the performance benchmark (`kvreplay bench replay --reference`): the same
 teacher-forced replay as kvreplay (replay/SEMANTICS.md) for `full`, `snapkv`,
