@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Independent, straightforward NumPy replay of four policies on a kvreplay trace.
+"""Independent, straightforward NumPy replay of policies on a kvreplay trace.
 
 For the performance benchmark (`kvreplay bench replay --reference`): the same
 teacher-forced replay as kvreplay (replay/SEMANTICS.md) for `full`, `snapkv`,
@@ -9,6 +9,17 @@ and query heads), vectorised the way one would write it in NumPy: every
 decode query of a head at once where the kept set is known in advance (a
 (steps, T) mask), and a step loop only where the policy needs it (H2O's
 decode-time eviction). Computed in float64 from the trace's f16 values.
+
+Also the prefill-only kvpress presses, each a direct transcription of its rule
+(docs/methods/NAME.md) with default parameters: `observed_attention`,
+`keydiff` (block-wise, block 128), `lagkv` (n_sink 4, lag 128); a policy may
+carry one parameter, `NAME:key=value` (`keydiff:preset=kvpress`,
+`lagkv:cross_scoring=true`), `cur` (window 16, key x value, 4 sinks;
+`cur:window=none`), `leverage` (sketch 48, seed 0: the same seeded Gaussian
+sketch as kvreplay, keys rotated back to pre-RoPE), and `a2sf` (alpha 0.8, H2O's split and
+decode-time eviction with every score multiplied by alpha per step;
+`a2sf:alpha=0.5`, `a2sf:decode_evict=false`). tests/replay_real.rs checks
+these against replay.
 
 Usage: reference_replay.py TRACE_DIR --budgets 32,64,... [--policies full,snapkv,h2o,streaming_llm]
 Prints one JSON object: {"seconds": total, "points": [{policy, budget, seconds, rel_l2, cosine, attn_mass, kl}]}.
@@ -68,7 +79,157 @@ def prompt_attention(q, k, rows, scale):
     return softmax_masked(logits, mask)
 
 
+def observed_attention_keep(colsum, heads, p, b, **_):
+    """Column sums / causal count (P - i), group mean, top B."""
+    s = colsum[list(heads)].mean(axis=0) / (p - np.arange(p))
+    return top_k(s, np.arange(p), b)
+
+
+def keydiff_scores(kg, idx):
+    """-cos(k_i, anchor) for positions idx; anchor = mean of the unit keys of idx."""
+    x = kg[idx]
+    n = np.maximum(np.linalg.norm(x, axis=1), 1e-12)
+    anchor = (x / n[:, None]).mean(axis=0)
+    return -(x @ anchor) / np.maximum(n * np.linalg.norm(anchor), 1e-12)
+
+
+def keydiff_keep(kg, p, b, preset="paper", block="128", **_):
+    """Block-wise: start with 0..B, append each block, cut back to the top B by
+    the scores over the cache. preset=kvpress: the whole prompt at once."""
+    s = np.zeros(p)
+    if preset == "kvpress":
+        s[:] = keydiff_scores(kg, np.arange(p))
+        return top_k(s, np.arange(p), b)
+    kept = np.arange(b)
+    for start in range(b, p, int(block)):
+        cur = np.concatenate([kept, np.arange(start, min(start + int(block), p))])
+        s[cur] = keydiff_scores(kg, cur)
+        kept = top_k(s, cur, b)
+    return kept
+
+
+def lagkv_keep(kg, vg, p, b, n_sink="4", lag="128", cross_scoring="false", **_):
+    """Last partition and tail score 1, sinks 2; each earlier partition is scored
+    by the softmaxed spread of its keys and values min-max normalised by the next
+    partition's range, then ranked within the partition (unless cross_scoring)."""
+    ns, lag = int(n_sink), int(lag)
+    if p < ns + 2 * lag:
+        s = np.ones(p)
+        s[ns:] = np.arange(p - ns) / (p - ns)
+        return top_k(s, np.arange(p), b)
+    n_part = (p - ns) // lag
+    s = np.ones(p)
+    s[:ns] = 2.0  # sinks above the last partition and the tail
+
+    def spread(x, part, ref):
+        lo, hi = x[ref].min(axis=0), x[ref].max(axis=0)
+        rng = hi - lo
+        z = np.where(rng > 0, (x[part] - lo) / np.where(rng > 0, rng, 1), 0.0)
+        sd = z.std(axis=1, ddof=1)
+        e = np.exp(sd - sd.max())
+        return e / e.sum()
+
+    for m in range(n_part - 1):
+        part = np.arange(ns + m * lag, ns + (m + 1) * lag)
+        ref = part + lag
+        sc = (spread(kg, part, ref) + spread(vg, part, ref)) / 2
+        if cross_scoring == "true":
+            s[part] = sc
+        else:
+            s[part[np.argsort(sc, kind="stable")]] = np.arange(lag) / lag
+    return top_k(s, np.arange(p), b)
+
+
+def cur_keep(kg, vg, p, b, n_sink="4", leverage="kv_product", window="16", **_):
+    """Squared key and value norms, each divided by its local window's sum,
+    combined (product by default), normalised, first n_sink set to 1."""
+    k2 = (kg[:p] ** 2).sum(axis=1)
+    v2 = (vg[:p] ** 2).sum(axis=1)
+    if window != "none":
+        w = int(window)
+        win = np.arange(p) // w
+        k2 = k2 / np.bincount(win, weights=k2)[win]
+        v2 = v2 / np.bincount(win, weights=v2)[win]
+    s = {"key": k2, "value": v2, "kv_avg": (k2 + v2) / 2, "kv_product": k2 * v2}[leverage]
+    s = s / s.sum()
+    s[: int(n_sink)] = 1.0
+    return top_k(s, np.arange(p), b)
+
+
+M64 = (1 << 64) - 1
+
+
+class SplitMix64:
+    """kvreplay's seeded generator (replay/src/policy.rs), in Python integers."""
+
+    def __init__(self, state):
+        self.s = state & M64
+
+    def next_u64(self):
+        self.s = (self.s + 0x9E3779B97F4A7C15) & M64
+        z = self.s
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+        return z ^ (z >> 31)
+
+    def next_f64(self):
+        return (self.next_u64() >> 11) / float(1 << 53)
+
+    @staticmethod
+    def for_head(seed, layer, head):
+        a = SplitMix64(seed ^ 0x9E3779B97F4A7C15).next_u64() ^ ((layer * 0xBF58476D1CE4E5B9) & M64)
+        return SplitMix64(SplitMix64(a).next_u64() ^ ((head * 0x94D049BB133111EB) & M64))
+
+
+def unrope(kg, rope):
+    """Rotate post-RoPE keys (P, d) back to pre-RoPE (no frequency scaling)."""
+    assert rope["scaling"]["type"] == "none", rope
+    p, d = kg.shape
+    rot = rope["rotated_dims"]
+    half = rot // 2
+    ang = np.arange(p)[:, None] * rope["theta"] ** (-2.0 * np.arange(half) / rot)[None, :]
+    c, s = np.cos(ang), np.sin(ang)
+    out = kg.copy()
+    if rope["style"] == "neox":
+        i, j = np.arange(half), np.arange(half) + half
+    else:
+        i, j = 2 * np.arange(half), 2 * np.arange(half) + 1
+    x, y = kg[:, i], kg[:, j]
+    out[:, i] = x * c + y * s
+    out[:, j] = -x * s + y * c
+    return out
+
+
+def leverage_raw(kg, p, layer, g, rope, sketch="48", seed="0", **_):
+    """Hat-matrix diagonal of the centred pre-RoPE keys sketched by a seeded
+    Gaussian d x m matrix / sqrt(m), with (X^T X + 0.01 I)^-1."""
+    m = int(sketch)
+    k = unrope(kg[:p], rope) if rope else kg[:p]
+    x = k - k.mean(axis=0)
+    d = x.shape[1]
+    r = SplitMix64.for_head(int(seed), layer, g)
+    z = []
+    for _ in range(d * m):
+        u1, u2 = 1.0 - r.next_f64(), r.next_f64()
+        z.append(np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2))
+    phi = np.array(z).reshape(d, m) / np.sqrt(m)
+    xs = x @ phi
+    gram = xs.T @ xs + 1e-2 * np.eye(m)
+    return np.maximum(np.einsum("ij,jk,ik->i", xs, np.linalg.inv(gram), xs), 0)
+
+
+def leverage_keep(kg, p, b, layer, g, rope, **opts):
+    """Top B by leverage (kvpress's z-score over the layer is monotone: omitted)."""
+    return top_k(leverage_raw(kg, p, layer, g, rope, **opts), np.arange(p), b)
+
+
+PRESSES = {"observed_attention": observed_attention_keep, "keydiff": keydiff_keep, "lagkv": lagkv_keep,
+           "cur": cur_keep, "leverage": leverage_keep}
+
+
 def replay(policy, b, man, layers):
+    name, _, opt = policy.partition(":")
+    opts = dict([opt.split("=")]) if opt else {}
     m = man["model"]
     nh, nkv, scale = m["n_heads"], m["n_kv_heads"], m["attn_scale"]
     group = nh // nkv
@@ -78,7 +239,7 @@ def replay(policy, b, man, layers):
     n = len(steps)
     sums = np.zeros(4)
     count = 0
-    for lay in layers:
+    for li, lay in enumerate(layers):
         q, k, v, colsum = lay["q"], lay["k"], lay["v"], lay["attn_colsum"]
         for g in range(nkv):
             heads = range(g * group, (g + 1) * group)
@@ -101,12 +262,39 @@ def replay(policy, b, man, layers):
                 prompt_kept[keep] = True
                 prompt_kept[p:] = True
                 kept = causal & prompt_kept[None, :]
+            elif name == "a2sf":
+                # prompt scores from every prompt row, weighted alpha^(P-1-j), group mean
+                alpha = float(opts.get("alpha", "0.8"))
+                wts = alpha ** (p - 1 - np.arange(p))
+                a2sf_s = np.zeros(p)
+                for h in heads:
+                    a = prompt_attention(q[h], k[g][:p], np.arange(p), scale)
+                    a2sf_s += (wts[:, None] * a).sum(axis=0) / group
+                r = b // 2
+                keep = np.concatenate([top_k(a2sf_s, np.arange(p - r), b - r), np.arange(p - r, p)])
+                prompt_kept = np.zeros(t_all, bool)
+                prompt_kept[keep] = True
+                prompt_kept[p:] = True
+                kept = causal & prompt_kept[None, :]
+            elif name in PRESSES:
+                if p <= b:
+                    kept = causal
+                else:
+                    keep = PRESSES[name](kg=k[g], vg=v[g], colsum=colsum, heads=heads, p=p, b=b,
+                                         layer=li, g=g, rope=m.get("rope"), **opts)
+                    prompt_kept = np.zeros(t_all, bool)
+                    prompt_kept[keep] = True
+                    prompt_kept[p:] = True
+                    kept = causal & prompt_kept[None, :]
             for h in heads:
                 logits = scale * q[h, steps] @ k[g].T  # (n, T)
                 p_full = softmax_masked(logits, causal)
                 o_f = p_full @ v[g]
                 if policy == "h2o":
                     p_comp, kept_h = h2o_steps(q, k, g, heads, colsum, b, p, steps, scale, logits_of=h)
+                elif name == "a2sf" and opts.get("decode_evict") != "false":
+                    p_comp, kept_h = h2o_steps(q, k, g, heads, colsum, b, p, steps, scale, logits_of=h,
+                                               s=a2sf_s, alpha=float(opts.get("alpha", "0.8")))
                 else:
                     kept_h = kept
                     p_comp = softmax_masked(logits, kept_h)
@@ -117,14 +305,16 @@ def replay(policy, b, man, layers):
     return sums / count
 
 
-def h2o_steps(q, k, g, heads, colsum, b, p, steps, scale, logits_of):
+def h2o_steps(q, k, g, heads, colsum, b, p, steps, scale, logits_of, s=None, alpha=1.0):
     """H2O with decode-time eviction for KV head g: returns the compressed
     attention (n, T) of query head `logits_of` and the kept mask (n, T).
-    The set evolves with the group-mean attention, so it is simulated step by step."""
+    The set evolves with the group-mean attention, so it is simulated step by step.
+    A2SF: prompt scores `s` given, and every score multiplied by `alpha` per step."""
     heads = list(heads)
     t_all = k.shape[1]
     r = b // 2
-    s = colsum[heads].mean(axis=0)  # (P,)
+    if s is None:
+        s = colsum[heads].mean(axis=0)  # (P,)
     keep = list(top_k(s, np.arange(p - r), b - r)) + list(range(p - r, p))
     score = np.zeros(t_all)
     score[:p] = s
@@ -141,7 +331,7 @@ def h2o_steps(q, k, g, heads, colsum, b, p, steps, scale, logits_of):
         p_comp[i, idx] = a[row]
         kept[i, idx] = True
         score[t] = 0.0
-        score[idx] += a.mean(axis=0)
+        score[idx] = alpha * score[idx] + a.mean(axis=0)
         # evict the lowest score outside the r most recent (earliest on ties)
         cand = idx[: len(idx) - r] if r > 0 else idx
         if len(idx) > b:

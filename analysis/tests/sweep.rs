@@ -515,7 +515,7 @@ fn synthetic_plan(lengths: &[usize]) -> Plan {
 fn shards_cover_every_point_once_balanced_and_grouped_by_trace() {
     let plan = synthetic_plan(&[512, 1024, 2048, 4096]);
     let all = plan.points();
-    assert_eq!(all.len(), 4 * 18 * 6);
+    assert_eq!(all.len(), 4 * plan.policies.len() * 6);
     let costs = plan.point_costs();
     let setups = plan.setup_costs();
     for count in 1..=8 {

@@ -59,6 +59,18 @@ const EXTRA_SPECS: &[&str] = &[
     "adakv:scorer=ahakv,recent=2,alpha=0.5",
     "cam:scorer=h2o,recent=2,expected=true",
     "cam:scorer=random,random.seed=2,m=4",
+    "keydiff:block=3",
+    "keydiff:preset=kvpress",
+    "lagkv:n_sink=2,lag=4",
+    "lagkv:n_sink=1,lag=5,cross_scoring=true",
+    "adakv:scorer=lagkv,n_sink=2,lag=4",
+    "a2sf:alpha=0.5,recent=2",
+    "a2sf:alpha=0,decode_evict=false",
+    "cur:window=4,n_sink=1",
+    "cur:window=none,leverage=kv_avg",
+    "cur:leverage=value,window=3",
+    "leverage:sketch=4,seed=1",
+    "adakv:scorer=leverage,sketch=8",
 ];
 
 fn golden_dir() -> PathBuf {

@@ -1090,3 +1090,212 @@ fn split_policies_keep_their_public_paths() {
     assert_eq!(names, ["ems", "d2o", "kvmerger", "minicache"]);
     let _types: Option<(d2o::D2o, ems::Ems, kvmerger::KvMerger, minicache::MiniCache)> = None;
 }
+
+#[test]
+fn observed_attention_divides_column_sums_by_the_causal_count() {
+    // Two query heads share one KV head, P = 4. Column sums:
+    //   head 0 [2.0, 1.5, 0.3, 0.2], head 1 [2.0, 0.5, 0.9, 0.6]
+    //   group mean [2.0, 1.0, 0.6, 0.4] (H2O's score: keeps 0 and 1 at B = 2)
+    // Queries that saw position i: 4, 3, 2, 1, so the scores are
+    //   [0.5, 0.333, 0.3, 0.4]: B = 2 keeps {0, 3}, B = 3 keeps {0, 1, 3}.
+    let mut data = simple_layer(&[vec![0.0; 5]], 2, 4, 0, 1);
+    data.colsum = [[2.0, 1.5, 0.3, 0.2], [2.0, 0.5, 0.9, 0.6]].concat();
+    assert_eq!(kept("observed_attention", &data, 2), vec![vec![0, 3]]);
+    assert_eq!(kept("observed_attention", &data, 3), vec![vec![0, 1, 3]]);
+    assert_eq!(kept("h2o:recent=0", &data, 2), vec![vec![0, 1]]);
+}
+
+#[test]
+fn keydiff_keeps_the_keys_least_like_the_anchor_block_by_block() {
+    // One-shot (preset=kvpress), P = 5, keys (1,0) (1,0) (1,0) (0,2) (-1,0):
+    // unit keys sum to (2, 1), anchor (0.4, 0.2); cosines .894, .894, .894,
+    // .447, -.894, scores the negatives: B = 2 keeps {3, 4}; B = 3 adds the
+    // latest of the three equal (1,0) keys, 2.
+    let d1 = keyed_layer(
+        &[[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 2.0], [-1.0, 0.0]],
+        vec![0.0; 5],
+        1,
+    );
+    assert_eq!(kept("keydiff:preset=kvpress", &d1, 2), vec![vec![3, 4]]);
+    assert_eq!(kept("keydiff:preset=kvpress", &d1, 3), vec![vec![2, 3, 4]]);
+    // Block-wise, B = 2, block = 2, P = 6, keys
+    //   0 (1,0)  1 (0,1)  2 (1,0)  3 (1,0)  4 (0,1)  5 (0,1)
+    // start {0, 1}; + {2, 3}: anchor (3,1)/4, cos .949 for (1,0) keys, .316
+    //   for (0,1): keep 1 and, of the equal 0, 2, 3, the latest: {1, 3}.
+    // + {4, 5}: set {1, 3, 4, 5}, anchor (1,3)/4: now 3 is the odd one
+    //   (cos .316), then the latest of 1, 4, 5: {3, 5}.
+    // One-shot on the same keys: anchor (.5, .5), every cosine equal: {4, 5}.
+    let keys = [
+        [1.0, 0.0],
+        [0.0, 1.0],
+        [1.0, 0.0],
+        [1.0, 0.0],
+        [0.0, 1.0],
+        [0.0, 1.0],
+    ];
+    let d2 = keyed_layer(&keys, vec![0.0; 6], 1);
+    assert_eq!(kept("keydiff:block=2", &d2, 2), vec![vec![3, 5]]);
+    assert_eq!(kept("keydiff:preset=kvpress", &d2, 2), vec![vec![4, 5]]);
+    // one block covering the rest of the prompt is the one-shot rule on it
+    assert_eq!(
+        kept("keydiff:block=4", &d2, 2),
+        kept("keydiff:preset=kvpress", &d2, 2)
+    );
+}
+
+#[test]
+fn lagkv_ranks_each_partition_against_the_next() {
+    // n_sink = 1, lag = 2, P = 6: partitions {1, 2} and {3, 4}, tail {5}.
+    // Only {1, 2} is scored (reference {3, 4}); 0, 3, 4, 5 score 1.
+    // Keys k3 = (0,0), k4 = (1,1) span [0, 1] on both channels, so
+    //   k1 = (0, 1) keeps std (N − 1) .707, k2 = (.5, .5) std 0:
+    //   softmax (.670, .330).
+    // Values v3 = (0,0), v4 = (1,1); v1 = (.5, .5) std 0, v2 = (.2, .8) std .424:
+    //   softmax (.396, .604).
+    // Mean (.533, .467): position 1 ranks above 2 (ranks 1/2 and 0).
+    let keys = [
+        [9.0, 9.0],
+        [0.0, 1.0],
+        [0.5, 0.5],
+        [0.0, 0.0],
+        [1.0, 1.0],
+        [3.0, 3.0],
+    ];
+    let mut data = keyed_layer(&keys, vec![0.0; 6], 1);
+    for (i, v) in [[0.5f32, 0.5], [0.2, 0.8], [0.0, 0.0], [1.0, 1.0]]
+        .iter()
+        .enumerate()
+    {
+        data.v[2 * (i + 1)..2 * (i + 2)].copy_from_slice(v);
+    }
+    assert_eq!(
+        kept("lagkv:n_sink=1,lag=2", &data, 5),
+        vec![vec![0, 1, 3, 4, 5]]
+    );
+    assert_eq!(
+        kept("lagkv:n_sink=1,lag=2,cross_scoring=true", &data, 5),
+        vec![vec![0, 1, 3, 4, 5]]
+    );
+    // B = 4: the sink and the positions scoring 1; B = 3: the sink first
+    // (kvpress ties it with them: our choice), then the latest
+    assert_eq!(
+        kept("lagkv:n_sink=1,lag=2", &data, 4),
+        vec![vec![0, 3, 4, 5]]
+    );
+    assert_eq!(kept("lagkv:n_sink=1,lag=2", &data, 3), vec![vec![0, 4, 5]]);
+    // with k1 = (.5, .5) too the keys tie (.5, .5) and the values decide:
+    // mean (.448, .552), so position 2 is kept instead
+    data.k[2..4].copy_from_slice(&[0.5, 0.5]);
+    assert_eq!(
+        kept("lagkv:n_sink=1,lag=2", &data, 5),
+        vec![vec![0, 2, 3, 4, 5]]
+    );
+    // P < n_sink + 2·lag (lag = 4): sinks, then the most recent
+    assert_eq!(kept("lagkv:n_sink=1,lag=4", &data, 3), vec![vec![0, 4, 5]]);
+}
+
+#[test]
+fn a2sf_forgets_old_attention_geometrically() {
+    // Every query has logits s = [0, 0, 0, 2, 0] over the keys it sees (P = 5):
+    //   row 0 [1]; row 1 [.5 .5]; row 2 [.333 ×3];
+    //   row 3 [.0963 ×3, .7112]; row 4 [.0878 ×3, .6488, .0878].
+    // H2O (α = 1): column sums 2.017, 1.017, .517, 1.360, .088 → B = 1 keeps 0.
+    // α = .5, row j weighted .5^(4 − j):
+    //   s0 = .0625 + .125·.5 + .25·.333 + .5·.0963 + .0878 = .344
+    //   s3 = .5·.7112 + .6488 = 1.004 (s1 = .282, s2 = .219, s4 = .088)
+    //   → B = 1 keeps 3, B = 2 keeps {0, 3}.
+    let data = simple_layer(&[vec![0.0, 0.0, 0.0, 2.0, 0.0, 0.0]], 1, 5, 0, 1);
+    assert_eq!(kept("h2o:recent=0", &data, 1), vec![vec![0]]);
+    assert_eq!(kept("a2sf:alpha=0.5,recent=0", &data, 1), vec![vec![3]]);
+    assert_eq!(kept("a2sf:alpha=0.5,recent=0", &data, 2), vec![vec![0, 3]]);
+
+    // Decode. Logits [0, −5, −5, 0, 0], P = 4, B = 3, recent = 1, α = .5:
+    //   rows: [1]; [.9933 .0067]; [.9867 .0067 .0067]; [.4967 .0034 .0034 .4967]
+    //   s = (1.363, .0084, .0067, .4967): keep 3 and the top 2 of {0, 1, 2} = {0, 1, 3}.
+    // Step 4 sees {0, 1, 3, 4} with attention (.3326, .0022, .3326, .3326):
+    //   s ← .5·s + a = (1.014, .0064, .581, .333); outside the recent 1 the
+    //   lowest is position 1: {0, 3, 4}.
+    let data = simple_layer(&[vec![0.0, -5.0, -5.0, 0.0, 0.0]], 1, 4, 0, 1);
+    let steps = run_steps("a2sf:alpha=0.5,recent=1", &data, 3);
+    assert_eq!(steps[0][0].positions(), vec![0, 1, 3]);
+    assert_eq!(steps[1][0].positions(), vec![0, 3, 4]);
+
+    // α = 1 is H2O, at prefill and through decode (GQA group mean included)
+    let data = random_layer(7, 4, 2, 8, 24, 32);
+    for b in [4, 9, 16] {
+        let a = run_steps("a2sf:alpha=1", &data, b);
+        let h = run_steps("h2o", &data, b);
+        for (x, y) in a.iter().zip(&h) {
+            let px: Vec<_> = x.iter().map(|c| c.positions()).collect();
+            let py: Vec<_> = y.iter().map(|c| c.positions()).collect();
+            assert_eq!(px, py, "B = {b}");
+        }
+    }
+}
+
+#[test]
+fn cur_scores_windowed_key_and_value_leverage() {
+    // P = 6, keys (1,0) (1,0) (2,0) (1,0) (1,0) (3,0), values (i, 1), n_sink = 1.
+    // ‖k‖² = 1 1 4 1 1 9, ‖v‖² = 1 2 5 10 17 26.
+    // window = 2: per pair of positions each divided by the pair's sum
+    //   keys .5 .5 | .8 .2 | .1 .9    values .333 .667 | .333 .667 | .395 .605
+    //   product (sink), .333, .267, .133, .040, .544
+    //   → B = 3 keeps {0, 1, 5}, B = 4 adds 2.
+    // window = none: the raw products (sink), 2, 20, 10, 17, 234
+    //   → B = 3 keeps {0, 2, 5}, B = 4 adds 4.
+    let keys = [
+        [1.0, 0.0],
+        [1.0, 0.0],
+        [2.0, 0.0],
+        [1.0, 0.0],
+        [1.0, 0.0],
+        [3.0, 0.0],
+    ];
+    let data = keyed_layer(&keys, vec![0.0; 6], 1);
+    assert_eq!(kept("cur:n_sink=1,window=2", &data, 3), vec![vec![0, 1, 5]]);
+    assert_eq!(
+        kept("cur:n_sink=1,window=2", &data, 4),
+        vec![vec![0, 1, 2, 5]]
+    );
+    assert_eq!(
+        kept("cur:n_sink=1,window=none", &data, 3),
+        vec![vec![0, 2, 5]]
+    );
+    assert_eq!(
+        kept("cur:n_sink=1,window=none", &data, 4),
+        vec![vec![0, 2, 4, 5]]
+    );
+    // keys alone, window = 2: (sink), .5, .8, .2, .1, .9 → {0, 2, 5}
+    assert_eq!(
+        kept("cur:n_sink=1,window=2,leverage=key", &data, 3),
+        vec![vec![0, 2, 5]]
+    );
+    // the default window (16) covers the prompt: the raw order; 4 sinks at B = 4
+    assert_eq!(kept("cur", &data, 5), vec![vec![0, 1, 2, 3, 5]]);
+}
+
+#[test]
+fn leverage_keeps_the_outlying_keys() {
+    // Keys (d = 2, no RoPE), every one shifted by (50, 50), which the centring removes:
+    //   (30, 0) (−10, 0) (−10, 0) (−10, 0) (0, 10) (0, −10)
+    // Centred Gram matrix diag(1200, 200). An invertible sketch leaves the
+    // leverage (hat-matrix diagonal) unchanged up to λ = 0.01 against entries
+    // of order 10³: h = 900/1200, 100/1200 (×3), 100/200, 100/200
+    //   = .75, .083, .083, .083, .5, .5 → B = 1 keeps {0}, B = 3 keeps {0, 4, 5}.
+    let keys = [
+        [30.0, 0.0],
+        [-10.0, 0.0],
+        [-10.0, 0.0],
+        [-10.0, 0.0],
+        [0.0, 10.0],
+        [0.0, -10.0],
+    ]
+    .map(|[a, b]| [a + 50.0, b + 50.0]);
+    let data = keyed_layer(&keys, vec![0.0; 6], 1);
+    for spec in ["leverage:sketch=2", "leverage", "leverage:seed=7"] {
+        assert_eq!(kept(spec, &data, 1), vec![vec![0]], "{spec}");
+        assert_eq!(kept(spec, &data, 3), vec![vec![0, 4, 5]], "{spec}");
+    }
+    // (without the centring the hat diagonal would be .84, .23 ×3, .30, .19,
+    // and B = 3 would keep {0, 3, 4})
+}

@@ -9,16 +9,22 @@
 
 pub use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 
+pub mod a2sf;
 pub mod adakv;
 pub mod ahakv;
 pub mod cam;
+pub mod cur;
 pub mod d2o;
 pub mod ems;
 pub mod full;
 pub mod h2o;
+pub mod keydiff;
 pub mod knorm;
 pub mod kvmerger;
+pub mod lagkv;
+pub mod leverage;
 pub mod minicache;
+pub mod observed_attention;
 pub mod pyramidkv;
 pub mod quant;
 pub mod random;
@@ -48,6 +54,12 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &ems::INFO,
     &quant::INFO,
     &sliding::INFO,
+    &observed_attention::INFO,
+    &keydiff::INFO,
+    &lagkv::INFO,
+    &a2sf::INFO,
+    &leverage::INFO,
+    &cur::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {
