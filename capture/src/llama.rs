@@ -12,6 +12,17 @@
 //! Gemma 3 GGUFs are not permuted (llama.cpp runs gemma3 with NEOX RoPE), so
 //! their rows load as stored.
 //!
+//! Qwen 2 (`qwen2`) and Qwen 3 (`qwen3`) GGUFs as llama.cpp writes them:
+//! NEOX RoPE, so Q/K rows are stored in the HF order (llama.cpp's converter
+//! permutes only for `llama`); qwen2 adds the biases `blk.N.attn_{q,k,v}.bias`
+//! to q, k and v (no o bias); qwen3 applies the per-head RMSNorms
+//! `blk.N.attn_{q,k}_norm.weight` (`x / rms(x) * w`, the file's epsilon) to
+//! q and k before RoPE, with head_dim from `qwen3.attention.key_length`.
+//! llama.cpp runs neither with a sliding window, so a
+//! `{arch}.attention.sliding_window` key outside gemma3 is refused, and every
+//! tensor of the file must be one the architecture uses (a bias on llama, a
+//! q norm on qwen2, MoE experts, ...): anything else is refused by name.
+//!
 //! Gemma 3 facts this file relies on (checked against the GGUF of
 //! gemma-3-270m and HF transformers' Gemma 3):
 //! - RMSNorm is `x / rms(x) * (1 + w)` in HF; llama.cpp's converter adds the 1
@@ -41,7 +52,7 @@ use crate::gguf::GgufFile;
 use crate::CaptureError;
 
 /// Architectures this build can run.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "gemma3"];
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "qwen2", "qwen3", "gemma3"];
 
 /// RoPE base of Gemma 3's sliding-window layers (HF `rope_local_base_freq`,
 /// llama.cpp's `freq_base_swa`); GGUF files do not store it.
@@ -217,6 +228,18 @@ impl LlamaConfig {
             });
         }
         let gemma3 = arch == "gemma3";
+        let qwen3 = arch == "qwen3";
+        // llama.cpp runs only gemma3 (of these) with a sliding window; a
+        // window key on another architecture is not something we can mirror.
+        if !gemma3 && g.get(&k("attention.sliding_window")).is_some() {
+            return Err(CaptureError::Unsupported {
+                path: g.path.clone(),
+                msg: format!(
+                    "sliding-window attention ({}) is only supported for gemma3 GGUFs",
+                    k("attention.sliding_window")
+                ),
+            });
+        }
         for cap in ["final_logit_softcapping", "attn_logit_softcapping"] {
             if g.get(&k(cap)).is_some() {
                 return Err(CaptureError::Unsupported {
@@ -299,7 +322,7 @@ impl LlamaConfig {
             rope,
             attn_scale,
             layer_attention,
-            qk_norm: gemma3,
+            qk_norm: gemma3 || qwen3,
             post_norms: gemma3,
             activation: if gemma3 {
                 Activation::GeluTanh
@@ -307,15 +330,23 @@ impl LlamaConfig {
                 Activation::Silu
             },
             embed_scale: gemma3.then(|| (d_model as f32).sqrt()),
-            permuted_qk: !gemma3,
+            // llama.cpp's converter permutes Q/K rows only for `llama`
+            // (interleaved RoPE); qwen2, qwen3 and gemma3 run NEOX RoPE on
+            // rows stored in the HF order.
+            permuted_qk: arch == "llama",
         })
     }
 }
 
 impl Llama {
-    /// Load and dequantise every weight to f32.
+    /// Load and dequantise every weight to f32. A tensor the architecture
+    /// does not use (a bias on llama, MoE experts, ...) is refused by name
+    /// rather than ignored.
     pub fn from_gguf(g: &GgufFile) -> Result<Llama, CaptureError> {
         let cfg = LlamaConfig::from_gguf(g)?;
+        let arch = g.get_str("general.architecture")?;
+        // qwen2 always has q/k/v biases (llama.cpp's `bq`/`bk`/`bv`), no o bias.
+        let qkv_bias = arch == "qwen2";
         let (d, hd, f, v) = (
             cfg.d_model as u64,
             cfg.head_dim as u64,
@@ -323,17 +354,21 @@ impl Llama {
             cfg.vocab_size as u64,
         );
         let (h, kv) = (cfg.n_heads as u64, cfg.n_kv_heads as u64);
-        let embed = g.tensor_f32("token_embd.weight", &[d, v])?.into();
-        let out_norm = g.tensor_f32("output_norm.weight", &[d])?.into();
+        let used = std::cell::RefCell::new(std::collections::HashSet::<String>::new());
+        let get = |name: String, dims: &[u64]| {
+            let w = g.tensor_f32(&name, dims);
+            used.borrow_mut().insert(name);
+            w
+        };
+        let embed = get("token_embd.weight".into(), &[d, v])?.into();
+        let out_norm = get("output_norm.weight".into(), &[d])?.into();
         let lm_head = match g.tensor_info("output.weight") {
-            Some(_) => Some(g.tensor_f32("output.weight", &[d, v])?.into()),
+            Some(_) => Some(get("output.weight".into(), &[d, v])?.into()),
             None => None,
         };
         let layers = (0..cfg.n_layers)
             .map(|l| {
-                let t = |name: &str, dims: &[u64]| {
-                    g.tensor_f32(&format!("blk.{l}.{name}.weight"), dims)
-                };
+                let t = |name: &str, dims: &[u64]| get(format!("blk.{l}.{name}.weight"), dims);
                 let qk = |name: &str, heads: usize| -> Result<Weight, CaptureError> {
                     let w = t(name, &[d, heads as u64 * hd])?;
                     Ok(if cfg.permuted_qk {
@@ -351,6 +386,14 @@ impl Llama {
                             None
                         })
                     };
+                let bias =
+                    |on: bool, name: &str, dim: u64| -> Result<Option<Weight>, CaptureError> {
+                        Ok(if on {
+                            Some(get(format!("blk.{l}.{name}.bias"), &[dim])?.into())
+                        } else {
+                            None
+                        })
+                    };
                 Ok(LayerWeights {
                     attn_norm: t("attn_norm", &[d])?.into(),
                     q_norm: opt(cfg.qk_norm, "attn_q_norm", hd)?,
@@ -361,9 +404,9 @@ impl Llama {
                     wk: qk("attn_k", cfg.n_kv_heads)?,
                     wv: t("attn_v", &[d, kv * hd])?.into(),
                     wo: t("attn_output", &[h * hd, d])?.into(),
-                    bq: None,
-                    bk: None,
-                    bv: None,
+                    bq: bias(qkv_bias, "attn_q", h * hd)?,
+                    bk: bias(qkv_bias, "attn_k", kv * hd)?,
+                    bv: bias(qkv_bias, "attn_v", kv * hd)?,
                     bo: None,
                     ffn_norm: t("ffn_norm", &[d])?.into(),
                     w_gate: t("ffn_gate", &[d, f])?.into(),
@@ -372,6 +415,16 @@ impl Llama {
                 })
             })
             .collect::<Result<_, CaptureError>>()?;
+        let used = used.into_inner();
+        if let Some(extra) = g.tensors.iter().find(|t| !used.contains(&t.name)) {
+            return Err(CaptureError::Unsupported {
+                path: g.path.clone(),
+                msg: format!(
+                    "tensor {} is not used by the {arch} architecture as supported here; refusing rather than ignoring it",
+                    extra.name
+                ),
+            });
+        }
         Ok(Llama {
             cfg,
             embed,
