@@ -59,6 +59,14 @@ const EXTRA_SPECS: &[&str] = &[
     "adakv:scorer=ahakv,recent=2,alpha=0.5",
     "cam:scorer=h2o,recent=2,expected=true",
     "cam:scorer=random,random.seed=2,m=4",
+    "snapkv:preset=kvpress,w=3",
+    "adakv:preset=kvpress,w=3",
+    "adakv:preset=kvpress,w=3,alpha=0.5",
+    "pyramidkv:preset=kvpress,w=2,beta=2",
+    "pyramidkv:scorer=knorm,preset=kvpress,beta=2",
+    "tova:preset=kvpress",
+    "knorm:preset=kvpress",
+    "streaming_llm:preset=kvpress",
 ];
 
 fn golden_dir() -> PathBuf {

@@ -108,6 +108,23 @@ pub fn listing() -> String {
                 "    {:<15} default {:<9} {}",
                 a.name, a.default, a.help
             );
+            if let crate::params::Kind::Preset(list) = a.kind {
+                for preset in list.iter().filter(|x| !x.sets.is_empty()) {
+                    let sets: Vec<String> = preset
+                        .sets
+                        .iter()
+                        .map(|(k, v)| format!("{k}={v}"))
+                        .collect();
+                    let _ = writeln!(
+                        out,
+                        "    {:<15} {}={} sets {}",
+                        "",
+                        a.name,
+                        preset.name,
+                        sets.join(",")
+                    );
+                }
+            }
         }
         out.push('\n');
     }
