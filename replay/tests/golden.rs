@@ -67,6 +67,7 @@ const EXTRA_SPECS: &[&str] = &[
     "tova:preset=kvpress",
     "knorm:preset=kvpress",
     "streaming_llm:preset=kvpress",
+    "h2o:preset=kvpress",
 ];
 
 fn golden_dir() -> PathBuf {

@@ -1196,3 +1196,27 @@ fn streaming_llm_kvpress_preset_compresses_at_prefill_only() {
     let steps = run_steps("streaming_llm", &data, 6);
     assert_eq!(steps[2][0].positions(), vec![0, 1, 2, 3, 10, 11]);
 }
+
+/// `preset=kvpress` is kvpress 0.5.x's ObservedAttentionPress (its closest to
+/// H2O): each prompt column sum divided by the number of prompt queries that
+/// see the key, no recent window, prefill only.
+#[test]
+fn h2o_kvpress_preset_divides_column_sums_by_the_queries_that_see_them() {
+    // P = 4, logits [0, 0, 0, 2]: rows 0..=2 are uniform, row 3 gives
+    // e²/(3 + e²) = 0.711 to position 3 and 0.096 to each other one.
+    // Column sums: 1 + 1/2 + 1/3 + 0.096 = 1.930, 1/2 + 1/3 + 0.096 = 0.930,
+    // 1/3 + 0.096 = 0.430, 0.711. Raw (recent = 0), B = 2: {0, 1}.
+    // Divided by 4, 3, 2, 1: 0.483, 0.310, 0.215, 0.711 -> {0, 3}.
+    let data = simple_layer(&[vec![0.0, 0.0, 0.0, 2.0, 0.0]], 1, 4, 0, 1);
+    assert_eq!(
+        kept("h2o:recent=0,decode_evict=false", &data, 2),
+        vec![vec![0, 1]]
+    );
+    assert_eq!(kept("h2o:preset=kvpress", &data, 2), vec![vec![0, 3]]);
+    assert_eq!(
+        PolicySpec::parse("h2o:preset=kvpress").unwrap().canonical(),
+        "h2o:decode_evict=false,mean=true,preset=kvpress,recent=0"
+    );
+    // the division is a prefill score: refused with decode-time eviction
+    assert!(PolicySpec::parse("h2o:mean=true").unwrap().build().is_err());
+}

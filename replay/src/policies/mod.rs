@@ -109,6 +109,7 @@ pub fn listing() -> String {
                 a.name, a.default, a.help
             );
             if let crate::params::Kind::Preset(list) = a.kind {
+                let wrapper = matches!(p.build, Build::ScorerWrapper { .. });
                 for preset in list.iter().filter(|x| !x.sets.is_empty()) {
                     let sets: Vec<String> = preset
                         .sets
@@ -117,11 +118,16 @@ pub fn listing() -> String {
                         .collect();
                     let _ = writeln!(
                         out,
-                        "    {:<15} {}={} sets {}",
+                        "    {:<15} {}={} sets {}{}",
                         "",
                         a.name,
                         preset.name,
-                        sets.join(",")
+                        sets.join(","),
+                        if wrapper {
+                            format!(" and the scorer's preset={} where it has one", preset.name)
+                        } else {
+                            String::new()
+                        }
                     );
                 }
             }
