@@ -6,7 +6,7 @@
 # stack: several GB; the run itself is on CPU), then runs
 # scripts/kvpress_parity.py, which rewrites the table of docs/kvpress-parity.md.
 # Extra arguments go to the Python script (e.g. --only SnapKV --ratios 0.5).
-# Not part of CI: about 10-20 minutes on 2 CPU cores once installed.
+# Not part of CI: 5-20 minutes on 2 CPU cores once installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KVPRESS_VERSION=0.5.4
