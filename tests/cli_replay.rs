@@ -40,7 +40,7 @@ fn replay_argument_errors_are_clear() {
         ),
         (
             &["--policy", "snapkv:window=3", "--budget", "4"],
-            "unknown parameter `window` (valid: w, k, pool)",
+            "unknown parameter `window` (valid: w, k, pool, group_mean, preset)",
         ),
         (
             &["--policy", "snapkv:w=x", "--budget", "4"],

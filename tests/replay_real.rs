@@ -361,7 +361,7 @@ fn replay_cli_writes_csvs_and_provenance() {
     let (_, q) = run("snapkv+quant:bits=4", &tmp.path().join("q"));
     assert_eq!(
         q["policy_spec"],
-        "snapkv:k=7,pool=max,w=32+quant:bits=4,group=32,residual=32"
+        "snapkv:group_mean=before_pool,k=7,pool=max,preset=paper,w=32+quant:bits=4,group=32,residual=32"
     );
     assert!(q["memory_ratio"].as_f64().unwrap() < 0.25);
     assert_eq!(q["trace"]["files_sha256"].as_array().unwrap().len(), 30);

@@ -34,8 +34,49 @@ pub fn layer_count(
 /// Per-head selection counts B_h from per-head scores (each over the same
 /// candidates 0..n), `per_head` = P selected entries per head on average.
 pub fn head_budgets(scores: &[&[f32]], per_head: usize, alpha: f64, normalize: bool) -> Vec<usize> {
+    let n_h = global_counts(
+        &ranked_pairs(scores, per_head, normalize),
+        scores.len(),
+        scores.len() * per_head,
+    );
+    let floor = (alpha * per_head as f64).floor();
+    n_h.iter()
+        .map(|&n| ((1.0 - alpha) * n as f64 + floor).round() as usize)
+        .collect()
+}
+
+/// kvpress AdaKVPress's per-head selection counts: each head first keeps its
+/// own top `reserve` candidates, then the layer's remaining
+/// H·(`per_head` − `reserve`) selections go to the best of every head's other
+/// candidates. Head h then keeps its top count, as the reserve is its top.
+pub fn head_budgets_reserved(
+    scores: &[&[f32]],
+    per_head: usize,
+    reserve: usize,
+    normalize: bool,
+) -> Vec<usize> {
     let hk = scores.len();
-    let mut pairs: Vec<(f32, usize, usize)> = Vec::new(); // (score, position, head)
+    let reserve = reserve.min(per_head);
+    let mut pairs = ranked_pairs(scores, per_head, normalize);
+    // each head's top `reserve` are its first pairs in the ranking
+    let mut seen = vec![0usize; hk];
+    pairs.retain(|&(_, _, h)| {
+        seen[h] += 1;
+        seen[h] > reserve
+    });
+    global_counts(&pairs, hk, hk * (per_head - reserve))
+        .into_iter()
+        .zip(&seen)
+        .map(|(n, &s)| n + reserve.min(s))
+        .collect()
+}
+
+/// (score, position, head) of every candidate of every head, best first:
+/// score descending, then position descending, then head ascending. With
+/// `normalize`, head h's scores are scaled by the share of its mass in its
+/// top `per_head`.
+fn ranked_pairs(scores: &[&[f32]], per_head: usize, normalize: bool) -> Vec<(f32, usize, usize)> {
+    let mut pairs: Vec<(f32, usize, usize)> = Vec::new();
     for (h, s) in scores.iter().enumerate() {
         let f = if normalize {
             let mut sorted = s.to_vec();
@@ -52,16 +93,43 @@ pub fn head_budgets(scores: &[&[f32]], per_head: usize, alpha: f64, normalize: b
         };
         pairs.extend(s.iter().enumerate().map(|(i, x)| (x * f, i, h)));
     }
-    // (score desc, position desc, head asc)
     pairs.sort_by(|a, b| cmp_f32(b.0, a.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)));
+    pairs
+}
+
+/// How many of the first `take` ranked pairs fall on each of `hk` heads.
+fn global_counts(pairs: &[(f32, usize, usize)], hk: usize, take: usize) -> Vec<usize> {
     let mut n_h = vec![0usize; hk];
-    for &(_, _, h) in pairs.iter().take(hk * per_head) {
+    for &(_, _, h) in pairs.iter().take(take) {
         n_h[h] += 1;
     }
-    let floor = (alpha * per_head as f64).floor();
-    n_h.iter()
-        .map(|&n| ((1.0 - alpha) * n as f64 + floor).round() as usize)
-        .collect()
+    n_h
+}
+
+/// kvpress PyramidKVPress's entries kept in `layer` of `n_layers`, protected
+/// window included (its `get_layer_budget`), with `b` = P·(1 − ratio) and `w`
+/// its window: float arithmetic, Python's round (half to even), and uniform
+/// budgets `b` whenever the pyramid is infeasible (not P >= max >= min >= w).
+pub fn layer_count_kvpress(
+    p_len: usize,
+    b: usize,
+    w: usize,
+    beta: usize,
+    layer: usize,
+    n_layers: usize,
+) -> usize {
+    let (p, a, w) = (p_len as f64, b as f64, w as f64);
+    let mut min = a / beta.max(1) as f64;
+    let mut max = 2.0 * a - min;
+    if max >= p - w {
+        max = p - w;
+        min = 2.0 * a - max;
+    }
+    if !(p >= max && max >= min && min >= w) || n_layers < 2 {
+        return b;
+    }
+    let step = (max - min) / (n_layers - 1) as f64;
+    (max - layer as f64 * step).round_ties_even() as usize
 }
 
 #[cfg(test)]
@@ -96,5 +164,27 @@ mod tests {
         assert_eq!(head_budgets(&s, 2, 0.0, false), vec![3, 1]);
         // alpha = 1: uniform
         assert_eq!(head_budgets(&s, 2, 1.0, false), vec![2, 2]);
+        // kvpress: reserve 1 per head (9 and 6), then the best 2 of the rest
+        // (8, 7, both head 0): (3, 1); reserve 2 = uniform
+        assert_eq!(head_budgets_reserved(&s, 2, 1, false), vec![3, 1]);
+        assert_eq!(head_budgets_reserved(&s, 2, 2, false), vec![2, 2]);
+        assert_eq!(head_budgets_reserved(&s, 2, 0, false), vec![3, 1]);
+    }
+
+    #[test]
+    fn kvpress_schedule_matches_hand_computation() {
+        // P = 1000, B = 500, w = 64, β = 20, L = 30: min = 25, max = 975 ≥ 936
+        // -> max = 936, min = 64; 1000 ≥ 936 ≥ 64 ≥ 64, step = 872/29
+        assert_eq!(layer_count_kvpress(1000, 500, 64, 20, 0, 30), 936);
+        assert_eq!(layer_count_kvpress(1000, 500, 64, 20, 29, 30), 64);
+        // 936 − 872·15/29 = 484.97 -> 485
+        assert_eq!(layer_count_kvpress(1000, 500, 64, 20, 15, 30), 485);
+        // B = 250: min = 12.5 < w -> uniform
+        assert_eq!(layer_count_kvpress(1000, 250, 64, 20, 0, 30), 250);
+        // half to even: P = 20, B = 7, β = 2, L = 3 -> 10.5, 7, 3.5 -> 10, 7, 4
+        let c: Vec<usize> = (0..3)
+            .map(|l| layer_count_kvpress(20, 7, 0, 2, l, 3))
+            .collect();
+        assert_eq!(c, vec![10, 7, 4]);
     }
 }

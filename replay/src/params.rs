@@ -22,6 +22,27 @@ pub enum Kind {
     FloatOr(&'static str),
     /// The name of a registered scorer (`kvreplay policies` marks them).
     Scorer,
+    /// One of the listed presets: each sets other parameters of the policy
+    /// (those not given explicitly in the spec). Conventionally named
+    /// `preset`, with `paper` (setting nothing) as its default.
+    Preset(&'static [Preset]),
+}
+
+/// A named set of parameter values (e.g. `preset=kvpress`): the values of
+/// other parameters it sets, unless the spec gives them. Keys are the
+/// policy's own parameter names; a scorer wrapper's preset also selects the
+/// preset of the same name of its scorer, when the scorer has one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Preset {
+    pub name: &'static str,
+    pub sets: &'static [(&'static str, &'static str)],
+}
+
+impl Preset {
+    /// The words a `Preset` parameter accepts.
+    pub fn names(list: &[Preset]) -> Vec<&'static str> {
+        list.iter().map(|p| p.name).collect()
+    }
 }
 
 /// A parameter a policy accepts.

@@ -184,10 +184,17 @@ impl Scorer for KeyScorer {
 pub enum Allocation {
     /// B per cache.
     Uniform,
-    /// PyramidKV: per-layer counts shrinking with depth.
-    Pyramid { beta: usize },
-    /// AdaKV: per-head counts from where the layer's top scores fall.
-    Ada { alpha: f64, normalize: bool },
+    /// PyramidKV: per-layer counts shrinking with depth (`kvpress`: kvpress
+    /// PyramidKVPress's float schedule, protected entries counted inside).
+    Pyramid { beta: usize, kvpress: bool },
+    /// AdaKV: per-head counts from where the layer's top scores fall
+    /// (`reserve_first`: kvpress AdaKVPress's safeguard, each head's top
+    /// ⌊α·B⌋ entries, protected ones first, before the global top-k).
+    Ada {
+        alpha: f64,
+        normalize: bool,
+        reserve_first: bool,
+    },
 }
 
 /// Something done to an entry just before it is evicted (CaM merges its value
@@ -242,7 +249,10 @@ impl TopK {
         match self.allocation {
             _ if avg == 0 => vec![0; n],
             Allocation::Uniform => vec![avg; n],
-            Allocation::Pyramid { beta } => {
+            Allocation::Pyramid {
+                beta,
+                kvpress: false,
+            } => {
                 let c = crate::allocation::layer_count(
                     p,
                     b,
@@ -254,10 +264,37 @@ impl TopK {
                 .unwrap_or(avg);
                 vec![c; n]
             }
-            Allocation::Ada { alpha, normalize } => {
+            Allocation::Pyramid {
+                beta,
+                kvpress: true,
+            } => {
+                let kept = crate::allocation::layer_count_kvpress(
+                    p,
+                    b,
+                    prot.total(),
+                    beta,
+                    ctx.layer(),
+                    ctx.n_layers(),
+                );
+                // the protected entries count inside the layer's entries
+                let c = kept.saturating_sub(prot.total()).min(p - prot.total());
+                vec![c; n]
+            }
+            Allocation::Ada {
+                alpha,
+                normalize,
+                reserve_first,
+            } => {
                 let cand = prot.sinks..p - prot.recent;
                 let s: Vec<&[f32]> = scores.iter().map(|s| &s[cand.clone()]).collect();
-                crate::allocation::head_budgets(&s, avg, alpha, normalize)
+                if reserve_first {
+                    // kvpress: int(n_kept·α) per head, protected entries first
+                    let reserve =
+                        ((alpha * b as f64).floor() as usize).saturating_sub(prot.total());
+                    crate::allocation::head_budgets_reserved(&s, avg, reserve, normalize)
+                } else {
+                    crate::allocation::head_budgets(&s, avg, alpha, normalize)
+                }
             }
         }
     }

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::info::{Build, PolicyInfo};
-pub use crate::params::{Kind, ParamInfo, Params};
+pub use crate::params::{Kind, ParamInfo, Params, Preset};
 use crate::policies::{find, scorer_names, REGISTRY};
 use crate::policy::Policy;
 use crate::scorer::TopK;
@@ -79,6 +79,13 @@ fn check_value(info: &PolicyInfo, p: &ParamInfo, value: &str) -> Result<(), Repl
             || value.parse::<f64>().map(|x| x.is_finite()).unwrap_or(false))
         .then_some(())
         .ok_or_else(|| bad(format!("expected a number or `{word}`"))),
+        Kind::Preset(list) => {
+            let names = Preset::names(list);
+            names
+                .contains(&value)
+                .then_some(())
+                .ok_or_else(|| bad(format!("expected one of: {}", names.join(", "))))
+        }
         Kind::Scorer => {
             let names = scorer_names();
             names
@@ -156,6 +163,59 @@ fn accepted(
     Ok(out)
 }
 
+/// Fill in what the chosen presets set, for every parameter the spec does
+/// not give: first the scorer's preset (a scorer wrapper's preset selects the
+/// scorer's preset of the same name, when it has one), then the policy's own,
+/// so the policy's own preset wins where both set a parameter.
+fn apply_presets(
+    info: &'static PolicyInfo,
+    params: &[(String, ParamInfo, String)],
+    given: &[(&str, &str)],
+    values: &mut BTreeMap<String, String>,
+) {
+    let is_given = |key: &str| given.iter().any(|(k, _)| *k == key);
+    // `accepted` lists the policy's own parameters first
+    let (own, scorer_params) = params.split_at(info.params.len());
+    let find_preset = |p: &ParamInfo, name: &str| match p.kind {
+        Kind::Preset(list) => list.iter().find(|x| x.name == name).copied(),
+        _ => None,
+    };
+    // the policy's own preset (a scorer wrapper's is named in info.params)
+    let own_preset = own
+        .iter()
+        .find(|(_, p, _)| matches!(p.kind, Kind::Preset(_)))
+        .and_then(|(key, p, _)| find_preset(p, &values[key]));
+    if let Build::ScorerWrapper { .. } = info.build {
+        // the scorer's preset parameter, if it has one
+        if let Some((key, p, _)) = scorer_params
+            .iter()
+            .find(|(_, p, _)| matches!(p.kind, Kind::Preset(_)))
+        {
+            if !is_given(key) {
+                if let Some(w) = own_preset.and_then(|o| find_preset(p, o.name)) {
+                    values.insert(key.clone(), w.name.to_string());
+                }
+            }
+            let scorer = find(values["scorer"].as_str()).expect("checked by `accepted`");
+            if let Some(preset) = find_preset(p, &values[key]) {
+                for (k, v) in preset.sets {
+                    let key = scorer_key(info.params, scorer.name, k);
+                    if !is_given(&key) {
+                        values.insert(key, v.to_string());
+                    }
+                }
+            }
+        }
+    }
+    if let Some(preset) = own_preset {
+        for (k, v) in preset.sets {
+            if !is_given(k) {
+                values.insert(k.to_string(), v.to_string());
+            }
+        }
+    }
+}
+
 /// Parse one `name[:k=v,...]` element.
 pub fn parse_one(s: &str) -> Result<Params, ReplayError> {
     let (name, rest) = match s.split_once(':') {
@@ -192,7 +252,7 @@ pub fn parse_one(s: &str) -> Result<Params, ReplayError> {
         .iter()
         .map(|(k, _, d)| (k.clone(), d.clone()))
         .collect();
-    for (k, v) in given {
+    for &(k, v) in &given {
         let (key, p, _) =
             params
                 .iter()
@@ -213,6 +273,7 @@ pub fn parse_one(s: &str) -> Result<Params, ReplayError> {
         check_value(info, p, v)?;
         values.insert(key.clone(), v.to_string());
     }
+    apply_presets(info, &params, &given, &mut values);
     Ok(Params {
         policy: info.name,
         values,
@@ -331,12 +392,16 @@ mod tests {
     #[test]
     fn defaults_are_filled_and_errors_name_the_problem() {
         let s = PolicySpec::parse("snapkv:w=16").unwrap();
-        assert_eq!(s.canonical(), "snapkv:k=7,pool=max,w=16");
+        assert_eq!(
+            s.canonical(),
+            "snapkv:group_mean=before_pool,k=7,pool=max,preset=paper,w=16"
+        );
         let e = PolicySpec::parse("snapkv:window=16")
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("unknown parameter `window`") && e.contains("valid: w, k, pool"),
+            e.contains("unknown parameter `window`")
+                && e.contains("valid: w, k, pool, group_mean, preset"),
             "{e}"
         );
         let e = PolicySpec::parse("snapkv:pool=median")

@@ -77,7 +77,7 @@ fn outputs_hold_one_row_per_head_and_per_retained_position() {
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(
         summary["policy_spec"],
-        "streaming_llm:decode_evict=true,n_sink=2"
+        "streaming_llm:decode_evict=true,n_sink=2,preset=paper"
     );
     assert_eq!(
         summary["trace"]["files_sha256"].as_array().unwrap().len(),

@@ -71,6 +71,15 @@ const EXTRA_SPECS: &[&str] = &[
     "cur:leverage=value,window=3",
     "leverage:sketch=4,seed=1",
     "adakv:scorer=leverage,sketch=8",
+    "snapkv:preset=kvpress,w=3",
+    "adakv:preset=kvpress,w=3",
+    "adakv:preset=kvpress,w=3,alpha=0.5",
+    "pyramidkv:preset=kvpress,w=2,beta=2",
+    "pyramidkv:scorer=knorm,preset=kvpress,beta=2",
+    "tova:preset=kvpress",
+    "knorm:preset=kvpress",
+    "streaming_llm:preset=kvpress",
+    "h2o:preset=kvpress",
 ];
 
 fn golden_dir() -> PathBuf {

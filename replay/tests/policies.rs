@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{random_layer, run_steps, simple_layer};
+use common::{explicit_layer, random_layer, run_steps, simple_layer};
 use kvreplay_replay::engine::replay_layer;
 use kvreplay_replay::policy::{LayerData, PrefillCtx};
 use kvreplay_replay::{HeadCache, PolicySpec, REGISTRY};
@@ -1298,4 +1298,132 @@ fn leverage_keeps_the_outlying_keys() {
     }
     // (without the centring the hat diagonal would be .84, .23 ×3, .30, .19,
     // and B = 3 would keep {0, 3, 4})
+/// `preset=kvpress` is kvpress 0.5.x's SnapKVPress: w = 64, k = 5, avg
+/// pooling (zero padding counted), each query head pooled before the group
+/// mean; given parameters still win over the preset's.
+#[test]
+fn snapkv_kvpress_preset_pools_with_avg_5_and_each_head_before_the_mean() {
+    assert_eq!(
+        PolicySpec::parse("snapkv:preset=kvpress")
+            .unwrap()
+            .canonical(),
+        "snapkv:group_mean=after_pool,k=5,pool=avg,preset=kvpress,w=64"
+    );
+    assert_eq!(
+        PolicySpec::parse("snapkv:preset=kvpress,w=4")
+            .unwrap()
+            .canonical(),
+        "snapkv:group_mean=after_pool,k=5,pool=avg,preset=kvpress,w=4"
+    );
+    // P = 12, w = 4: candidates 0..8 with logits [0, 3, 0, 0, 0, 1.5, 1.5, 0],
+    // so the window votes are c·e^s = c·[1, 20.09, 1, 1, 1, 4.48, 4.48, 1].
+    // Default (k = 7, max): 0..=4 all pool to 20.09, the tie keeps the later
+    // ones: {3, 4}. kvpress (k = 5, avg over 5 with zero padding): 0: 22.09/5 =
+    // 4.42, 1: 23.09/5 = 4.62, 2: 24.09/5 = 4.82, 3: 27.57/5 = 5.51, 4: 11.96/5,
+    // 5: 11.96/5, 6: 10.96/5, 7: 9.96/5 -> {3, 2}.
+    let mut s = vec![0.0f32; 13];
+    s[1] = 3.0;
+    s[5] = 1.5;
+    s[6] = 1.5;
+    let data = simple_layer(&[s], 1, 12, 0, 1);
+    assert_eq!(kept("snapkv:w=4", &data, 6), vec![vec![3, 4, 8, 9, 10, 11]]);
+    assert_eq!(
+        kept("snapkv:preset=kvpress,w=4", &data, 6),
+        vec![vec![2, 3, 8, 9, 10, 11]]
+    );
+    // The group mean before or after pooling differs under max pooling.
+    // One KV head, keys k_i = (a_i, b_i) with a = [0, 3, 0, 0, 0, 0] and
+    // b = [0, 0, 0, 4, 0, 0]; query head 0 reads a (query (1, 0)), head 1
+    // reads b (query (0, 1)). P = 6, w = 2 (rows 4, 5), candidates 0..4.
+    // Head 0 votes c0·[1, e³, 1, 1] with c0 = 1/(e³+4) + 1/(e³+5) = 0.0814:
+    // [0.081, 1.635, 0.081, 0.081]; head 1 votes c1·[1, 1, 1, e⁴] with
+    // c1 = 1/(e⁴+4) + 1/(e⁴+5) = 0.0338: [0.034, 0.034, 0.034, 1.848].
+    // before_pool: mean [0.058, 0.834, 0.058, 0.965], max-pool 3 ->
+    // [0.834, 0.834, 0.965, 0.965], the tie keeps 3.
+    // after_pool: head 0 pooled [1.635, 1.635, 1.635, 0.081], head 1 pooled
+    // [0.034, 0.034, 1.848, 1.848], mean [0.834, 0.834, 1.741, 0.965] -> 2.
+    let a = [0.0f32, 3.0, 0.0, 0.0, 0.0, 0.0];
+    let b = [0.0f32, 0.0, 0.0, 4.0, 0.0, 0.0];
+    let k = vec![(0..6).map(|i| vec![a[i], b[i]]).collect::<Vec<_>>()];
+    let v = vec![(0..6).map(|i| vec![i as f32, 1.0]).collect::<Vec<_>>()];
+    let q = vec![vec![vec![1.0, 0.0]; 6], vec![vec![0.0, 1.0]; 6]];
+    let data = explicit_layer(&q, &k, &v, 6, 1.0);
+    assert_eq!(kept("snapkv:w=2,k=3", &data, 3), vec![vec![3, 4, 5]]);
+    assert_eq!(
+        kept("snapkv:w=2,k=3,group_mean=after_pool", &data, 3),
+        vec![vec![2, 4, 5]]
+    );
+}
+
+/// `preset=kvpress` is kvpress 0.5.x's TOVAPress: the last prompt position is
+/// always kept, and the cache is compressed at prefill only.
+#[test]
+fn tova_kvpress_preset_keeps_the_last_prompt_position_at_prefill_only() {
+    // The last prompt row (j = 4) has logits [0, 3, 2, 1, -5] over keys 0..=4.
+    // Default, B = 2: the top two, {1, 2}, so position 4 (its own weight e⁻⁵/Z)
+    // is evicted. kvpress: 4 kept, plus the top one of 0..4: {1, 4}.
+    let data = simple_layer(&[vec![0.0, 3.0, 2.0, 1.0, -5.0, 0.0, 0.0]], 1, 5, 0, 1);
+    assert_eq!(kept("tova", &data, 2), vec![vec![1, 2]]);
+    assert_eq!(kept("tova:preset=kvpress", &data, 2), vec![vec![1, 4]]);
+    assert_eq!(
+        PolicySpec::parse("tova:preset=kvpress")
+            .unwrap()
+            .canonical(),
+        "tova:decode_evict=false,keep_last=true,per_kv_head=false,preset=kvpress"
+    );
+    // decode entries are appended (B = 2 held by the default)
+    let steps = run_steps("tova:preset=kvpress", &data, 2);
+    assert_eq!(steps[2][0].positions(), vec![1, 4, 5, 6]);
+    let steps = run_steps("tova", &data, 2);
+    assert_eq!(steps[2][0].len(), 2);
+}
+
+/// `preset=kvpress` is kvpress 0.5.x's KnormPress: every layer compressed.
+#[test]
+fn knorm_kvpress_preset_compresses_every_layer() {
+    // key i = (s_i, 0): norms 0.5, 3, 1, 0.2, 2 in layer 0, which the default
+    // skips; kvpress keeps the two smallest, {0, 3}.
+    let data0 = simple_layer(&[vec![0.5, -3.0, 1.0, 0.2, 2.0, 0.0]], 1, 5, 0, 4);
+    assert_eq!(kept("knorm", &data0, 2), vec![vec![0, 1, 2, 3, 4]]);
+    assert_eq!(kept("knorm:preset=kvpress", &data0, 2), vec![vec![0, 3]]);
+}
+
+/// `preset=kvpress` is kvpress 0.5.x's StreamingLLMPress: the same 4 sinks and
+/// recent window at prefill, no eviction during decode.
+#[test]
+fn streaming_llm_kvpress_preset_compresses_at_prefill_only() {
+    // P = 10, B = 6: sinks 0..4 and the 2 most recent.
+    let data = simple_layer(&[vec![0.0; 12]], 1, 10, 0, 1);
+    assert_eq!(
+        kept("streaming_llm:preset=kvpress", &data, 6),
+        vec![vec![0, 1, 2, 3, 8, 9]]
+    );
+    let steps = run_steps("streaming_llm:preset=kvpress", &data, 6);
+    assert_eq!(steps[2][0].positions(), vec![0, 1, 2, 3, 8, 9, 10, 11]);
+    let steps = run_steps("streaming_llm", &data, 6);
+    assert_eq!(steps[2][0].positions(), vec![0, 1, 2, 3, 10, 11]);
+}
+
+/// `preset=kvpress` is kvpress 0.5.x's ObservedAttentionPress (its closest to
+/// H2O): each prompt column sum divided by the number of prompt queries that
+/// see the key, no recent window, prefill only.
+#[test]
+fn h2o_kvpress_preset_divides_column_sums_by_the_queries_that_see_them() {
+    // P = 4, logits [0, 0, 0, 2]: rows 0..=2 are uniform, row 3 gives
+    // e²/(3 + e²) = 0.711 to position 3 and 0.096 to each other one.
+    // Column sums: 1 + 1/2 + 1/3 + 0.096 = 1.930, 1/2 + 1/3 + 0.096 = 0.930,
+    // 1/3 + 0.096 = 0.430, 0.711. Raw (recent = 0), B = 2: {0, 1}.
+    // Divided by 4, 3, 2, 1: 0.483, 0.310, 0.215, 0.711 -> {0, 3}.
+    let data = simple_layer(&[vec![0.0, 0.0, 0.0, 2.0, 0.0]], 1, 4, 0, 1);
+    assert_eq!(
+        kept("h2o:recent=0,decode_evict=false", &data, 2),
+        vec![vec![0, 1]]
+    );
+    assert_eq!(kept("h2o:preset=kvpress", &data, 2), vec![vec![0, 3]]);
+    assert_eq!(
+        PolicySpec::parse("h2o:preset=kvpress").unwrap().canonical(),
+        "h2o:decode_evict=false,mean=true,preset=kvpress,recent=0"
+    );
+    // the division is a prefill score: refused with decode-time eviction
+    assert!(PolicySpec::parse("h2o:mean=true").unwrap().build().is_err());
 }

@@ -409,3 +409,78 @@ fn mixed_cross_layer_groups_are_split_unless_sliding() {
     // a model without sliding layers keeps the policy's groups
     assert_eq!(replay_groups(mc.as_ref(), &[false; 18], 64, 1000), own);
 }
+
+/// `preset=kvpress` is kvpress 0.5.x's AdaKVPress: each head first keeps its
+/// own top ⌊α·B⌋ (protected entries first), then the rest of the layer's
+/// budget goes to the global top-k, instead of AdaKV's blend
+/// round((1 − α)·n_h + ⌊α·P⌋).
+#[test]
+fn adakv_kvpress_preset_reserves_each_heads_top_before_the_global_top_k() {
+    // KnormPress scores −‖k‖ (no protected entries), two KV heads, P = 8, B = 4,
+    // α = 0.5. Head 0 norms [10, 11, 12, 13, 13.5, 13.6, 20, 20], head 1 norms
+    // [14, 15, 16, 17, 18, 19, 20, 20].
+    // Blend: the layer's top 8 are head 0's first six and head 1's first two,
+    // n = (6, 2); B_h = round(0.5·6 + ⌊0.5·4⌋) = 5 and round(0.5·2 + 2) = 3.
+    // Reserve: ⌊0.5·4⌋ = 2 per head first ({0, 1} each), then the best 4 of
+    // the rest are head 0's 12, 13, 13.5, 13.6 (head 1's best left is 16):
+    // head 0 keeps 6, head 1 keeps 2.
+    let data = simple_layer(
+        &[
+            vec![10.0, 11.0, 12.0, 13.0, 13.5, 13.6, 20.0, 20.0],
+            vec![14.0, 15.0, 16.0, 17.0, 18.0, 19.0, 20.0, 20.0],
+        ],
+        1,
+        8,
+        0,
+        1,
+    );
+    assert_eq!(
+        kept("adakv:scorer=knorm,skip_layers=none,alpha=0.5", &data, 4),
+        vec![vec![0, 1, 2, 3, 4], vec![0, 1, 2]]
+    );
+    // (knorm's own kvpress preset compresses layer 0 too)
+    assert_eq!(
+        kept("adakv:scorer=knorm,preset=kvpress,alpha=0.5", &data, 4),
+        vec![vec![0, 1, 2, 3, 4, 5], vec![0, 1]]
+    );
+    // the preset selects the scorer's kvpress preset (SnapKVPress by default)
+    assert_eq!(
+        PolicySpec::parse("adakv:preset=kvpress")
+            .unwrap()
+            .canonical(),
+        "adakv:alpha=0.2,group_mean=after_pool,k=5,normalize=false,pool=avg,preset=kvpress,\
+         safeguard=reserve,scorer=snapkv,snapkv.preset=kvpress,w=64"
+    );
+}
+
+/// `preset=kvpress` is kvpress 0.5.x's PyramidKVPress: its float schedule with
+/// Python's round, the protected window counted inside each layer's entries,
+/// and uniform budgets when the pyramid is infeasible.
+#[test]
+fn pyramidkv_kvpress_preset_uses_the_float_schedule_and_falls_back_to_uniform() {
+    // 3 layers, P = 20, B = 7, β = 2, KnormPress scores (no window):
+    // Factory: min = ⌊7/2⌋ = 3, max = 14 − 3 = 11, step = ⌊8/2⌋ = 4 -> 11, 7, 3.
+    // kvpress: min = 3.5, max = 10.5, 20 ≥ 10.5 ≥ 3.5 ≥ 0, step = 3.5 ->
+    // round(10.5) = 10, round(7) = 7, round(3.5) = 4 (half to even).
+    let layers: Vec<LayerData> = (0..3)
+        .map(|l| {
+            let s: Vec<f32> = (0..20).map(|i| ((i * 7) % 20) as f32 + 1.0).collect();
+            simple_layer(&[s], 1, 20, l, 3)
+        })
+        .collect();
+    let counts =
+        |spec: &str| -> Vec<usize> { layers.iter().map(|d| kept(spec, d, 7)[0].len()).collect() };
+    assert_eq!(
+        counts("pyramidkv:scorer=knorm,skip_layers=none,beta=2"),
+        vec![11, 7, 3]
+    );
+    assert_eq!(
+        counts("pyramidkv:scorer=knorm,preset=kvpress,beta=2"),
+        vec![10, 7, 4]
+    );
+    // SnapKV with w = 4: kvpress's min = 3.5 < w, so every layer keeps B = 7
+    // (window included). Factory: P' = 3, min = 1, max = 5, step = 2 ->
+    // 5, 3, 1 selected + the window = 9, 7, 5.
+    assert_eq!(counts("pyramidkv:w=4,beta=2"), vec![9, 7, 5]);
+    assert_eq!(counts("pyramidkv:preset=kvpress,w=4,beta=2"), vec![7, 7, 7]);
+}

@@ -1,10 +1,11 @@
 //! KNorm (docs/methods/knorm.md): s_i = −‖k_i‖₂ per KV head, no attention,
 //! window or sinks; `skip_layers` stay uncompressed; `decode_evict` evicts the largest-norm key.
+//! `preset=kvpress` is kvpress 0.5.x's KnormPress: every layer compressed, prefill only.
 
 use std::sync::Arc;
 
 use crate::info::{Build, Caps, Phase, PolicyInfo};
-use crate::params::{Kind, ParamInfo};
+use crate::params::{Kind, ParamInfo, Preset};
 use crate::scorer::KeyScorer;
 use kvreplay_kernels::cpu::l2_norm;
 
@@ -15,11 +16,24 @@ pub static INFO: PolicyInfo = PolicyInfo {
     params: &[
         ParamInfo { name: "skip_layers", default: "0;1", kind: Kind::IntList, help: "layers left uncompressed, `;`-separated (none = compress all)" },
         ParamInfo { name: "decode_evict", default: "false", kind: Kind::Bool, help: "also hold B entries during decode" },
+        ParamInfo { name: "preset", default: "paper", kind: Kind::Preset(PRESETS), help: "kvpress: NVIDIA kvpress 0.5.x KnormPress (sets the parameters not given)" },
     ],
     caps: Caps { phase: Phase::PrefillByDefault, ..Caps::EVICT_PREFILL },
     test: "knorm_keeps_the_smallest_keys_and_skips_layers",
     build: Build::Scorer(|p| Ok(Arc::new(KeyScorer { score: knorm, skip_layers: p.int_list("skip_layers")?, decode_evict: p.bool("decode_evict")? }))),
 };
+
+/// The presets: `paper` sets nothing; `kvpress` is kvpress's KnormPress.
+pub static PRESETS: &[Preset] = &[
+    Preset {
+        name: "paper",
+        sets: &[],
+    },
+    Preset {
+        name: "kvpress",
+        sets: &[("skip_layers", "none"), ("decode_evict", "false")],
+    },
+];
 
 /// The score of a key: minus its L2 norm (f64 sum, as the reference).
 pub fn knorm(k: &[f32]) -> f32 {

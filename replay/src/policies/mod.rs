@@ -120,6 +120,29 @@ pub fn listing() -> String {
                 "    {:<15} default {:<9} {}",
                 a.name, a.default, a.help
             );
+            if let crate::params::Kind::Preset(list) = a.kind {
+                let wrapper = matches!(p.build, Build::ScorerWrapper { .. });
+                for preset in list.iter().filter(|x| !x.sets.is_empty()) {
+                    let sets: Vec<String> = preset
+                        .sets
+                        .iter()
+                        .map(|(k, v)| format!("{k}={v}"))
+                        .collect();
+                    let _ = writeln!(
+                        out,
+                        "    {:<15} {}={} sets {}{}",
+                        "",
+                        a.name,
+                        preset.name,
+                        sets.join(","),
+                        if wrapper {
+                            format!(" and the scorer's preset={} where it has one", preset.name)
+                        } else {
+                            String::new()
+                        }
+                    );
+                }
+            }
         }
         out.push('\n');
     }

@@ -5,14 +5,20 @@
 //! row. Decode: the query attends to B + 1 entries, then the lowest-scoring
 //! entry (the new one included) is evicted. No sinks, no window.
 //! `per_kv_head` scores each KV head by its group's mean instead.
+//! `keep_last` always keeps the newest entry (the last prompt position at
+//! prefill, each step's new entry at decode), as kvpress TOVAPress pads the
+//! last position's score above every other. `preset=kvpress` is kvpress
+//! 0.5.x's TOVAPress: `keep_last=true`, `decode_evict=false`.
 
 use std::sync::Arc;
 
 use crate::cache::HeadCache;
 use crate::info::{Build, Caps, PolicyInfo};
-use crate::params::{Kind, ParamInfo};
+use crate::params::{Kind, ParamInfo, Preset};
 use crate::policy::{mean_rows, PrefillCtx, StepCtx};
 use crate::scorer::{Scorer, Selected, StepScorer, Unit};
+use crate::select::Protect;
+use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "tova",
@@ -20,16 +26,35 @@ pub static INFO: PolicyInfo = PolicyInfo {
     paper: "Transformers are Multi-State RNNs (Oren et al., EMNLP 2024, arXiv 2401.06104); schwartz-lab-NLP/TOVA",
     params: &[
         ParamInfo { name: "per_kv_head", default: "false", kind: Kind::Bool, help: "score each KV head by its own group (default: one layer-wide score)" },
-        ParamInfo { name: "decode_evict", default: "true", kind: Kind::Bool, help: "hold B entries during decode (false = kvpress TOVAPress, prefill only)" },
+        ParamInfo { name: "decode_evict", default: "true", kind: Kind::Bool, help: "hold B entries during decode (false: prefill only, as kvpress TOVAPress)" },
+        ParamInfo { name: "keep_last", default: "false", kind: Kind::Bool, help: "always keep the newest entry (inside B), as kvpress TOVAPress keeps the last prompt position" },
+        ParamInfo { name: "preset", default: "paper", kind: Kind::Preset(PRESETS), help: "kvpress: NVIDIA kvpress 0.5.x TOVAPress (sets the parameters not given)" },
     ],
     caps: Caps::EVICT_DECODE,
     test: "tova_scores_with_the_mean_over_all_heads_of_the_layer",
-    build: Build::Scorer(|p| Ok(Arc::new(Tova { per_kv_head: p.bool("per_kv_head")?, decode_evict: p.bool("decode_evict")? }))),
+    build: Build::Scorer(|p| Ok(Arc::new(Tova { per_kv_head: p.bool("per_kv_head")?, decode_evict: p.bool("decode_evict")?, keep_last: p.bool("keep_last")? }))),
 };
+
+/// The presets: `paper` sets nothing; `kvpress` is kvpress's TOVAPress.
+pub static PRESETS: &[Preset] = &[
+    Preset {
+        name: "paper",
+        sets: &[],
+    },
+    Preset {
+        name: "kvpress",
+        sets: &[
+            ("keep_last", "true"),
+            ("decode_evict", "false"),
+            ("per_kv_head", "false"),
+        ],
+    },
+];
 
 pub struct Tova {
     pub per_kv_head: bool,
     pub decode_evict: bool,
+    pub keep_last: bool,
 }
 
 impl Tova {
@@ -68,6 +93,9 @@ impl Scorer for Tova {
         });
         let heads = self.scoring_heads(&u.heads, ctx.n_heads());
         mean_rows(last[heads].iter().map(|r| r.as_slice()))
+    }
+    fn protect(&self, b: usize) -> Result<Protect, ReplayError> {
+        Ok(Protect::new(0, usize::from(self.keep_last), b))
     }
     fn decode_evict(&self) -> bool {
         self.decode_evict
