@@ -1298,6 +1298,8 @@ fn leverage_keeps_the_outlying_keys() {
     }
     // (without the centring the hat diagonal would be .84, .23 ×3, .30, .19,
     // and B = 3 would keep {0, 3, 4})
+}
+
 /// `preset=kvpress` is kvpress 0.5.x's SnapKVPress: w = 64, k = 5, avg
 /// pooling (zero padding counted), each query head pooled before the group
 /// mean; given parameters still win over the preset's.
