@@ -99,6 +99,10 @@ pub struct Caps {
     /// The cache equals the uncompressed one when the budget covers the
     /// trace (false: entries are re-expressed whatever the budget).
     pub exact_when_covering: bool,
+    /// `None`: the published rule as its paper or reference code states it.
+    /// `Some(how)`: what kvreplay approximates, and why (the method's page
+    /// says more).
+    pub approximation: Option<&'static str>,
 }
 
 impl Caps {
@@ -112,6 +116,7 @@ impl Caps {
         per_query_head: false,
         holds_capacity: false,
         exact_when_covering: true,
+        approximation: None,
     };
     /// A decode-time eviction policy (`decode_evict=false`: prefill only).
     pub const EVICT_DECODE: Caps = Caps {

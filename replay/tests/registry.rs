@@ -371,3 +371,47 @@ fn the_cycle_check_finds_a_planted_circle() {
     g.get_mut("crate::b").unwrap().clear();
     assert!(find_cycle(&g).is_none());
 }
+
+/// `kvreplay policies` groups policies by family under `== FAMILY ==`
+/// headings (each policy under its own family's) and says of each whether it
+/// is exact or approximated, and how.
+#[test]
+fn listing_groups_by_family_and_says_exact_or_approximated() {
+    let listing = kvreplay_replay::policies::listing();
+    let mut heading = String::new();
+    let mut seen = Vec::new();
+    let lines: Vec<&str> = listing.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        if let Some(h) = line.strip_prefix("== ").and_then(|l| l.strip_suffix(" ==")) {
+            heading = h.to_string();
+            continue;
+        }
+        let Some(p) = REGISTRY
+            .iter()
+            .find(|p| line.split_whitespace().next() == Some(p.name) && !line.starts_with(' '))
+        else {
+            continue;
+        };
+        let want = match p.build {
+            Build::Wrapper(_) => "wrappers".to_string(),
+            _ => p.caps.family.name().to_string(),
+        };
+        assert!(
+            heading.starts_with(&want),
+            "{} listed under `{heading}`, not `{want}`",
+            p.name
+        );
+        let flags = lines[i + 2];
+        match p.caps.approximation {
+            None => assert!(flags.ends_with("; exact"), "{}: {flags}", p.name),
+            Some(how) => assert!(
+                flags.ends_with(&format!("; approximated: {how}")),
+                "{}: {flags}",
+                p.name
+            ),
+        }
+        seen.push(p.name);
+    }
+    assert_eq!(seen.len(), REGISTRY.len(), "listed: {seen:?}");
+    assert!(REGISTRY.iter().any(|p| p.caps.approximation.is_some()));
+}

@@ -23,7 +23,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "block", default: "128", kind: Kind::Int, help: "prompt positions appended per step before the cache is cut back to B (kvpress BlockPress block_size)" },
         ParamInfo { name: "preset", default: "paper", kind: Kind::Choice(&["paper", "kvpress"]), help: "paper = block-wise; kvpress = KeyDiffPress alone, the whole prompt scored at once" },
     ],
-    caps: Caps::EVICT_PREFILL,
+    caps: Caps { approximation: Some("the default block-wise form is returned as eviction ranks: exact at the policy's own budget; inside adakv/pyramidkv the ranks come from the nominal B (use preset=kvpress there)"), ..Caps::EVICT_PREFILL },
     test: "keydiff_keeps_the_keys_least_like_the_anchor_block_by_block",
     build: Build::Scorer(|p| {
         let block = p.int("block")?;

@@ -27,7 +27,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "lag", default: "128", kind: Kind::Int, help: "partition size; each partition is normalised by the next (kvpress lag_size)" },
         ParamInfo { name: "cross_scoring", default: "false", kind: Kind::Bool, help: "compare the raw scores across partitions instead of their ranks within a partition" },
     ],
-    caps: Caps::EVICT_PREFILL,
+    caps: Caps { approximation: Some("kvpress's one-shot form, not the paper's streaming compression partition by partition; sinks outrank the last partition when B cannot hold both"), ..Caps::EVICT_PREFILL },
     test: "lagkv_ranks_each_partition_against_the_next",
     build: Build::Scorer(|p| {
         let lag = p.int("lag")?;

@@ -24,7 +24,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "sketch", default: "48", kind: Kind::Int, help: "columns of the Gaussian sketch (kvpress sketch_dimension)" },
         ParamInfo { name: "seed", default: "0", kind: Kind::Int, help: "seed of the sketch (one matrix per layer and KV head)" },
     ],
-    caps: Caps::EVICT_PREFILL,
+    caps: Caps { approximation: Some("a seeded Gaussian sketch where kvpress draws an unseeded one (same distribution, reproducible)"), ..Caps::EVICT_PREFILL },
     test: "leverage_keeps_the_outlying_keys",
     build: Build::Scorer(|p| {
         let sketch = p.int("sketch")?;

@@ -80,7 +80,56 @@ pub fn scorer_names() -> Vec<&'static str> {
 pub fn listing() -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
+    // grouped by family, registry order within a family; wrappers that
+    // compose onto any policy (`+quant`, `+sliding`) last
+    let group = |p: &PolicyInfo| match p.build {
+        Build::Wrapper(_) => "wrappers (compose onto any policy with +)",
+        _ => match p.caps.family {
+            Family::Reference => "reference",
+            Family::Eviction => "eviction",
+            Family::Merging => "merging",
+            Family::Quantisation => "quantisation",
+            Family::CrossLayer => "cross-layer",
+            Family::Allocation => "budget allocation (wrappers over a scorer)",
+        },
+    };
+    let mut groups: Vec<&str> = Vec::new();
     for p in REGISTRY {
+        if !groups.contains(&group(p)) {
+            groups.push(group(p));
+        }
+    }
+    groups.sort_by_key(|g| {
+        [
+            "reference",
+            "eviction",
+            "merging",
+            "quantisation",
+            "cross-layer",
+            "budget allocation (wrappers over a scorer)",
+            "wrappers (compose onto any policy with +)",
+        ]
+        .iter()
+        .position(|x| x == g)
+    });
+    let ordered: Vec<(&str, &PolicyInfo)> = groups
+        .iter()
+        .flat_map(|g| {
+            REGISTRY
+                .iter()
+                .filter(move |p| group(p) == *g)
+                .map(move |p| (*g, *p))
+        })
+        .collect();
+    let mut heading = "";
+    for (g, p) in ordered {
+        if g != heading {
+            if !heading.is_empty() {
+                out.push('\n');
+            }
+            let _ = writeln!(out, "== {g} ==");
+            heading = g;
+        }
         let how = match p.build {
             Build::Wrapper(_) => format!("  (wrapper: compose as POLICY+{})", p.name),
             Build::Scorer(_) => {
@@ -99,6 +148,10 @@ pub fn listing() -> String {
             Phase::PrefillByDefault => "prefill only (decode_evict=true: also at every decode step)",
             Phase::AsScorer => "acts when its scorer does (prefill, or also at every decode step for a decode-time scorer)",
         };
+        let fidelity = match c.approximation {
+            None => "exact".to_string(),
+            Some(how) => format!("approximated: {how}"),
+        };
         let mut flags = vec![c.family.name(), phase];
         for (on, what) in [
             (c.merges, "merges entries"),
@@ -112,7 +165,7 @@ pub fn listing() -> String {
         }
         let _ = writeln!(out, "{}{how}", p.name);
         let _ = writeln!(out, "    {}", p.summary);
-        let _ = writeln!(out, "    {}", flags.join("; "));
+        let _ = writeln!(out, "    {}; {fidelity}", flags.join("; "));
         let _ = writeln!(out, "    paper: {}", p.paper);
         for a in p.params {
             let _ = writeln!(
