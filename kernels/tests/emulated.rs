@@ -577,10 +577,10 @@ fn emu_rms_norm() {
     }
 }
 
-/// Exact: the same f32 operations, and both call the host's expf.
-#[test]
-fn emu_silu_mul() {
-    let mut r = Rng(13);
+/// A gated activation kernel `name(gate, up, n)` against its CPU twin, on
+/// 300, 1 and 256 elements (gates up to ±8): exact.
+fn check_gate_kernel(test: &str, name: &'static str, seed: u64, twin: fn(&mut [f32], &[f32])) {
+    let mut r = Rng(seed);
     let sizes = [300usize, 1, 256];
     let data: Vec<(Vec<f32>, Vec<f32>)> = sizes
         .iter()
@@ -593,53 +593,33 @@ fn emu_silu_mul() {
         .iter()
         .zip(&data)
         .map(|(&n, (g, u))| {
-            Launch::new("silu_mul", launch::grid_1d(n))
+            Launch::new(name, launch::grid_1d(n))
                 .buf(g)
                 .buf(u)
                 .i64(n as i64)
         })
         .collect();
-    let Some(ran) = emulate("emu_silu_mul", launches) else {
+    let Some(ran) = emulate(test, launches) else {
         return;
     };
     for ((&n, (g, u)), got) in sizes.iter().zip(&data).zip(&ran) {
         let mut want = g.clone();
-        cpu::silu_mul(&mut want, u);
-        exact(&got.get::<f32>(0), &want, &format!("silu_mul n={n}"));
+        twin(&mut want, u);
+        exact(&got.get::<f32>(0), &want, &format!("{name} n={n}"));
     }
+}
+
+/// Exact: the same f32 operations, and both call the host's expf.
+#[test]
+fn emu_silu_mul() {
+    check_gate_kernel("emu_silu_mul", "silu_mul", 13, cpu::silu_mul);
 }
 
 /// Exact: the same f32 operations in the same order, and both call the
 /// host's tanhf (Rust's f32::tanh is libm's tanhf).
 #[test]
 fn emu_gelu_tanh_mul() {
-    let mut r = Rng(23);
-    let sizes = [300usize, 1, 256];
-    let data: Vec<(Vec<f32>, Vec<f32>)> = sizes
-        .iter()
-        .map(|&n| {
-            let g = r.vec(n).iter().map(|v| v * 8.0).collect();
-            (g, r.vec(n))
-        })
-        .collect();
-    let launches = sizes
-        .iter()
-        .zip(&data)
-        .map(|(&n, (g, u))| {
-            Launch::new("gelu_tanh_mul", launch::grid_1d(n))
-                .buf(g)
-                .buf(u)
-                .i64(n as i64)
-        })
-        .collect();
-    let Some(ran) = emulate("emu_gelu_tanh_mul", launches) else {
-        return;
-    };
-    for ((&n, (g, u)), got) in sizes.iter().zip(&data).zip(&ran) {
-        let mut want = g.clone();
-        cpu::gelu_tanh_mul(&mut want, u);
-        exact(&got.get::<f32>(0), &want, &format!("gelu_tanh_mul n={n}"));
-    }
+    check_gate_kernel("emu_gelu_tanh_mul", "gelu_tanh_mul", 23, cpu::gelu_tanh_mul);
 }
 
 /// Exact: one f32 product per element.
@@ -1382,7 +1362,8 @@ fn emu_every_kernel_is_named_launched_and_tested() {
     let tests = include_str!("emulated.rs");
     for k in &defined {
         assert!(
-            backend.contains(&format!("self.f(\"{k}\")")),
+            backend.contains(&format!("self.f(\"{k}\")"))
+                || backend.contains(&format!("self.inplace_with(\"{k}\"")),
             "kernel {k} is never launched by name in kernels/src/cuda/mod.rs"
         );
         assert!(

@@ -39,6 +39,12 @@ pub struct Preset {
 }
 
 impl Preset {
+    /// Every preset parameter's default: the paper's rule, setting nothing.
+    pub const PAPER: Preset = Preset {
+        name: "paper",
+        sets: &[],
+    };
+
     /// The words a `Preset` parameter accepts.
     pub fn names(list: &[Preset]) -> Vec<&'static str> {
         list.iter().map(|p| p.name).collect()

@@ -323,7 +323,9 @@ impl Cuda {
         Ok(Buf::Dev(od, n))
     }
 
-    pub fn add_assign(&self, x: &mut Buf, y: &Buf) -> Result<(), KernelError> {
+    /// `kernel(x, y, n)`: an element-wise kernel updating x (n elements) in
+    /// place from y (n elements), one thread per element.
+    fn inplace_with(&self, kernel: &'static str, x: &mut Buf, y: &Buf) -> Result<(), KernelError> {
         let n = x.len();
         if n == 0 {
             return Ok(());
@@ -331,41 +333,23 @@ impl Cuda {
         let n_i = n as i64;
         let yd = dev(y)?;
         let xd = dev_mut(x)?;
-        let mut b = self.stream.launch_builder(self.f("add_inplace"));
+        let mut b = self.stream.launch_builder(self.f(kernel));
         b.arg(xd).arg(yd).arg(&n_i);
         // SAFETY: both buffers hold n elements (checked by the caller).
-        unsafe { b.launch(grid_1d(n)) }.map_err(cu("add"))?;
+        unsafe { b.launch(grid_1d(n)) }.map_err(cu(kernel))?;
         Ok(())
+    }
+
+    pub fn add_assign(&self, x: &mut Buf, y: &Buf) -> Result<(), KernelError> {
+        self.inplace_with("add_inplace", x, y)
     }
 
     pub fn swiglu(&self, gate: &mut Buf, up: &Buf) -> Result<(), KernelError> {
-        let n = gate.len();
-        if n == 0 {
-            return Ok(());
-        }
-        let n_i = n as i64;
-        let ud = dev(up)?;
-        let gd = dev_mut(gate)?;
-        let mut b = self.stream.launch_builder(self.f("silu_mul"));
-        b.arg(gd).arg(ud).arg(&n_i);
-        // SAFETY: both buffers hold n elements.
-        unsafe { b.launch(grid_1d(n)) }.map_err(cu("silu_mul"))?;
-        Ok(())
+        self.inplace_with("silu_mul", gate, up)
     }
 
     pub fn gelu_tanh_mul(&self, gate: &mut Buf, up: &Buf) -> Result<(), KernelError> {
-        let n = gate.len();
-        if n == 0 {
-            return Ok(());
-        }
-        let n_i = n as i64;
-        let ud = dev(up)?;
-        let gd = dev_mut(gate)?;
-        let mut b = self.stream.launch_builder(self.f("gelu_tanh_mul"));
-        b.arg(gd).arg(ud).arg(&n_i);
-        // SAFETY: both buffers hold n elements.
-        unsafe { b.launch(grid_1d(n)) }.map_err(cu("gelu_tanh_mul"))?;
-        Ok(())
+        self.inplace_with("gelu_tanh_mul", gate, up)
     }
 
     pub fn scale(&self, x: &mut Buf, s: f32) -> Result<(), KernelError> {

@@ -54,10 +54,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
 /// (alpha_safeguard 0.2, no normalisation) and selects the scorer's `kvpress`
 /// preset (SnapKVPress for the default scorer).
 pub static PRESETS: &[Preset] = &[
-    Preset {
-        name: "paper",
-        sets: &[],
-    },
+    Preset::PAPER,
     Preset {
         name: "kvpress",
         sets: &[

@@ -48,10 +48,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
 /// The presets: `paper` sets nothing; `kvpress` is kvpress's
 /// ObservedAttentionPress (kvpress has no H2O press).
 pub static PRESETS: &[Preset] = &[
-    Preset {
-        name: "paper",
-        sets: &[],
-    },
+    Preset::PAPER,
     Preset {
         name: "kvpress",
         sets: &[("mean", "true"), ("recent", "0"), ("decode_evict", "false")],

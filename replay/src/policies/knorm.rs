@@ -25,10 +25,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
 
 /// The presets: `paper` sets nothing; `kvpress` is kvpress's KnormPress.
 pub static PRESETS: &[Preset] = &[
-    Preset {
-        name: "paper",
-        sets: &[],
-    },
+    Preset::PAPER,
     Preset {
         name: "kvpress",
         sets: &[("skip_layers", "none"), ("decode_evict", "false")],

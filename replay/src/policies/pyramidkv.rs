@@ -49,10 +49,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
 /// The presets: `paper` sets nothing; `kvpress` is kvpress's PyramidKVPress
 /// (β = 20) and selects the scorer's `kvpress` preset (SnapKVPress).
 pub static PRESETS: &[Preset] = &[
-    Preset {
-        name: "paper",
-        sets: &[],
-    },
+    Preset::PAPER,
     Preset {
         name: "kvpress",
         sets: &[("schedule", "kvpress"), ("beta", "20")],

@@ -38,10 +38,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
 
 /// The presets: `paper` sets nothing; `kvpress` is kvpress's SnapKVPress.
 pub static PRESETS: &[Preset] = &[
-    Preset {
-        name: "paper",
-        sets: &[],
-    },
+    Preset::PAPER,
     Preset {
         name: "kvpress",
         sets: &[

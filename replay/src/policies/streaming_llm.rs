@@ -31,10 +31,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
 
 /// The presets: `paper` sets nothing; `kvpress` is kvpress's StreamingLLMPress.
 pub static PRESETS: &[Preset] = &[
-    Preset {
-        name: "paper",
-        sets: &[],
-    },
+    Preset::PAPER,
     Preset {
         name: "kvpress",
         sets: &[("n_sink", "4"), ("decode_evict", "false")],

@@ -37,10 +37,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
 
 /// The presets: `paper` sets nothing; `kvpress` is kvpress's TOVAPress.
 pub static PRESETS: &[Preset] = &[
-    Preset {
-        name: "paper",
-        sets: &[],
-    },
+    Preset::PAPER,
     Preset {
         name: "kvpress",
         sets: &[
