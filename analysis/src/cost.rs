@@ -84,6 +84,15 @@ const POLICY: &[(&str, Cost)] = &[
     ("d2o", c(2_900, 0)),
     ("minicache", c(700, 0)),
     ("ems", c(7_500, 0)),
+    // not measured alone: snapkv's cost scaled by each one's time against
+    // snapkv's in one `kvreplay bench replay` run (2 threads; BENCHMARKS.md,
+    // "The methods added for the methods issue")
+    ("observed_attention", c(0, 354_000)),
+    ("keydiff", c(0, 515_000)),
+    ("lagkv", c(0, 333_000)),
+    ("a2sf", c(0, 590_000)),
+    ("leverage", c(0, 702_000)),
+    ("cur", c(0, 359_000)),
 ];
 
 /// What a wrapper adds to the policy it wraps, per head.
