@@ -1,6 +1,7 @@
 """kvreplay.hf.capture against the Rust capture (needs torch, transformers
 and gguf: scripts/test-python-hf.sh installs them into .venv-hf/; skipped
 without them)."""
+import os
 import subprocess
 
 import numpy as np
@@ -18,10 +19,12 @@ from conftest import MODEL  # noqa: E402
 
 @pytest.fixture(scope="module")
 def hf_model():
+    """SmolLM2 in transformers, float32, on $KVREPLAY_HF_DEVICE (default cpu;
+    `cuda` runs the HF capture on a GPU)."""
     m = transformers.AutoModelForCausalLM.from_pretrained(
         str(MODEL.parent), gguf_file=MODEL.name, dtype=torch.float32
     )
-    return m.eval()
+    return m.to(os.environ.get("KVREPLAY_HF_DEVICE", "cpu")).eval()
 
 
 def rel(a, b):
