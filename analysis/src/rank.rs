@@ -66,9 +66,10 @@ pub struct Ranking {
     pub shares: Vec<f64>,
     pub primary: usize,
     pub traces: usize,
-    /// Whether some trace has sliding-window layers: shares are then of the
-    /// cache beyond the windows ([`compressible_share`]).
-    pub windows: bool,
+    /// Per plan trace, the share of its full cache its sliding-window layers'
+    /// windows hold ([`window_shares`]): where any is above 0, shares are of
+    /// the cache beyond the windows ([`compressible_share`]).
+    pub window: Vec<f64>,
     pub rows: Vec<Row>,
 }
 
@@ -236,12 +237,17 @@ pub fn rank(plan: &Plan, points: &[PointResult], shares: &[f64]) -> Ranking {
         shares: shares.to_vec(),
         primary,
         traces: plan.traces.len(),
-        windows: window.iter().any(|w| *w > 0.0),
+        window,
         rows,
     }
 }
 
 impl Ranking {
+    /// Whether some trace has sliding-window layers.
+    pub fn windows(&self) -> bool {
+        self.window.iter().any(|w| *w > 0.0)
+    }
+
     /// The row ranked first at the primary share, if any reaches it.
     pub fn best(&self) -> Option<&Row> {
         self.rows
@@ -274,21 +280,19 @@ impl Ranking {
             .max()
             .unwrap_or(6)
             .max(6);
+        let share = if self.windows() {
+            "share of the full cache beyond the sliding-window layers' windows, which stay as they are"
+        } else {
+            "share of the full cache"
+        };
         let mut s = format!(
-            "mean relative L2 error of the attention output at matched memory (share of the full \
-             cache), interpolated per trace, mean over {} traces [95% bootstrap CI]; lower is \
-             better; ordered by {}\n  {:w$}",
+            "mean relative L2 error of the attention output at matched memory ({share}), \
+             interpolated per trace, mean over {} traces [95% bootstrap CI]; lower is better; \
+             ordered by {}\n  {:w$}",
             self.traces,
             percent(self.shares[self.primary]),
             "policy"
         );
-        if self.windows {
-            s = s.replacen(
-                "(share of the full cache)",
-                "(share of the full cache beyond the sliding-window layers' windows, which stay as they are)",
-                1,
-            );
-        }
         for &m in &self.shares {
             s += &format!("  {:>24}", format!("at {}", percent(m)));
         }

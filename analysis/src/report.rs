@@ -206,11 +206,13 @@ fn family_panels(plan: &Plan) -> Vec<(String, Vec<String>)> {
     out
 }
 
-/// A figure of `metric` with one panel per (title, specs, traces).
+/// A figure of `metric` with one panel per (title, specs, traces); `window`:
+/// each trace's share held by sliding windows ([`Ranking::window`]).
 #[allow(clippy::too_many_arguments)]
 fn figure(
     plan: &Plan,
     points: &[PointResult],
+    window: &[f64],
     file: &str,
     title: &str,
     caption: String,
@@ -234,7 +236,6 @@ fn figure(
         }
     };
     // first pass: the series, with the ticks of the widest x range
-    let window = crate::sweep::window_shares(plan);
     let window_of = |trace: &str| {
         plan.traces
             .iter()
@@ -419,6 +420,7 @@ pub fn figures(plan: &Plan, points: &[PointResult], ranking: &Ranking) -> Vec<Fi
     let mut figs = vec![figure(
         plan,
         points,
+        &ranking.window,
         "error_vs_memory.svg",
         "Error against memory, by method family",
         format!(
@@ -453,6 +455,7 @@ pub fn figures(plan: &Plan, points: &[PointResult], ranking: &Ranking) -> Vec<Fi
         figs.push(figure(
             plan,
             points,
+            &ranking.window,
             "error_vs_memory_by_trace.svg",
             "Error against memory, per task and prompt length",
             format!(
@@ -470,6 +473,7 @@ pub fn figures(plan: &Plan, points: &[PointResult], ranking: &Ranking) -> Vec<Fi
     figs.push(figure(
         plan,
         points,
+        &ranking.window,
         "error_vs_budget.svg",
         "Error against budget, by method family",
         format!(
@@ -489,6 +493,7 @@ pub fn figures(plan: &Plan, points: &[PointResult], ranking: &Ranking) -> Vec<Fi
         figs.push(figure(
             plan,
             points,
+            &ranking.window,
             "needle_retention.svg",
             "Needle retention against memory, by method family",
             format!(
@@ -855,24 +860,22 @@ pub fn write(out: &Path, plan: &Plan) -> Result<(), SweepError> {
          mean over {} traces, <small>[95% percentile bootstrap interval over traces, {} \
          resamples, seed {}]</small> and rank at that share. Ordered by the error at {}. With \
          few traces the bootstrap interval is narrower than it should be: read it as a \
-         description of these traces.</p><table class=\"sortable\"><thead><tr><th>policy</th><th>family</th>",
+         description of these traces.</p>",
         ranking.traces,
         rank::RESAMPLES,
         rank::SEED,
         percent(ranking.shares[ranking.primary])
     ));
-    if ranking.windows {
-        html = html.replacen(
-            "<table class=\"sortable\"><thead><tr><th>policy</th><th>family</th>",
+    if ranking.windows() {
+        html.push_str(
             "<p class=\"cap\">Some traces come from a model with sliding-window layers \
              (Gemma 3): their windows (min(T, W) entries per layer) stay as they are by default, \
              so a share here is of the rest of the cache: 10% means the windows plus 10% of \
              the full-attention layers' cache (the x axis of the memory plots likewise). The \
-             error is still the mean over every layer, sliding ones included.</p>\
-             <table class=\"sortable\"><thead><tr><th>policy</th><th>family</th>",
-            1,
+             error is still the mean over every layer, sliding ones included.</p>",
         );
     }
+    html.push_str("<table class=\"sortable\"><thead><tr><th>policy</th><th>family</th>");
     for &m in &ranking.shares {
         html.push_str(&format!(
             "<th title=\"mean relative L2 error at {0} of the full cache\">error at {0}</th>",

@@ -203,7 +203,9 @@ fn parity_rope_both_styles() {
 
 // ---------------------------------------------------------------- attention
 
-/// softmax(scale·q·kᵀ + mask) in f64 for query i at position pos0 + i.
+/// softmax(scale·q·kᵀ + mask) in f64 for query i at position pos0 + i, over
+/// keys 0 ..= pos0 + i; with a sliding `window` of W keys, the keys before
+/// the last W get exactly 0.
 fn ref_probs(
     q: &[f32],
     k: &[f32],
@@ -211,12 +213,14 @@ fn ref_probs(
     pos0: usize,
     scale: f64,
     gain: &[f64],
+    window: Option<usize>,
 ) -> Vec<Vec<f64>> {
     let c = q.len() / d;
     (0..c)
         .map(|i| {
             let valid = pos0 + i + 1;
-            let l: Vec<f64> = (0..valid)
+            let lo = window.map_or(0, |w| valid.saturating_sub(w));
+            let l: Vec<f64> = (lo..valid)
                 .map(|j| {
                     (0..d)
                         .map(|t| q[i * d + t] as f64 * k[j * d + t] as f64)
@@ -227,7 +231,9 @@ fn ref_probs(
                 .collect();
             let mx = l.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let z: f64 = l.iter().map(|x| (x - mx).exp()).sum();
-            l.iter().map(|x| (x - mx).exp() / z).collect()
+            let mut p = vec![0.0; lo];
+            p.extend(l.iter().map(|x| (x - mx).exp() / z));
+            p
         })
         .collect()
 }
@@ -257,7 +263,7 @@ fn parity_causal_attention_with_column_sums_and_probs() {
             },
         )
         .unwrap();
-        let p = ref_probs(&q, &k, d, pos0, scale as f64, &vec![1.0; c]);
+        let p = ref_probs(&q, &k, d, pos0, scale as f64, &vec![1.0; c], None);
         let mut want_out = vec![0f64; c * d];
         let mut want_p = vec![0f64; c * n];
         let mut want_cs = vec![0.5f64; 310];
@@ -334,6 +340,7 @@ fn parity_layer_attention_all_heads_in_one_call() {
                 pos0,
                 scale as f64,
                 &[1.0; 9],
+                None,
             );
             let mut want_o = vec![0f64; c * d];
             let mut want_p = vec![0f64; c * n];
@@ -456,24 +463,18 @@ fn parity_sliding_window_attention() {
             let mut want_p = vec![0f64; c * n];
             let mut want_o = vec![0f64; c * d];
             let mut want_cs = vec![0f64; n];
+            let p = ref_probs(
+                &q[h * c * d..(h + 1) * c * d],
+                &k,
+                d,
+                pos0,
+                scale as f64,
+                &[1.0; 7],
+                Some(w),
+            );
             for i in 0..c {
-                let t = pos0 + i;
-                let js: Vec<usize> = (t + 1 - w..=t).collect();
-                let qi = &q[(h * c + i) * d..(h * c + i + 1) * d];
-                let l: Vec<f64> = js
-                    .iter()
-                    .map(|&j| {
-                        (0..d)
-                            .map(|e| qi[e] as f64 * k[j * d + e] as f64)
-                            .sum::<f64>()
-                            * scale as f64
-                    })
-                    .collect();
-                let mx = l.iter().cloned().fold(f64::MIN, f64::max);
-                let z: f64 = l.iter().map(|x| (x - mx).exp()).sum();
-                for (jj, &j) in js.iter().enumerate() {
-                    let pj = (l[jj] - mx).exp() / z;
-                    want_p[i * n + j] = pj;
+                for (j, pj) in p[i].iter().enumerate() {
+                    want_p[i * n + j] = *pj;
                     want_cs[j] += pj;
                     for e in 0..d {
                         want_o[i * d + e] += pj * v[j * d + e] as f64;
@@ -638,6 +639,7 @@ fn parity_attention_rows_with_gains() {
                 len - 1,
                 0.25,
                 &[gains[i] as f64],
+                None,
             );
             let mut want = vec![0f64; n];
             want[..len].copy_from_slice(&p[0]);

@@ -459,14 +459,14 @@ pub fn replay_groups(
 }
 
 /// The policy that builds the caches of a group of layers replayed together
-/// (one of [`replay_groups`]): `full` for sliding-window layers unless the
-/// policy compresses them too (`+sliding`), else the policy, either way
-/// seeing `datas`' layers as one group. A group mixing the two kinds is
-/// refused (replay_groups never makes one).
+/// (one of [`replay_groups`], prefilled with [`Session::prefill_group`]):
+/// `full` for sliding-window layers unless the policy compresses them too
+/// (`+sliding`), else the policy. A group mixing the two kinds is refused
+/// (replay_groups never makes one).
 pub fn group_policy<'a>(
     policy: &'a dyn Policy,
     datas: &[&LayerData],
-) -> Result<Box<dyn Policy + 'a>, ReplayError> {
+) -> Result<&'a dyn Policy, ReplayError> {
     static FULL: crate::policies::full::Full = crate::policies::full::Full;
     let sliding = datas.iter().filter(|d| d.window.is_some()).count();
     let keep_window = sliding > 0 && !policy.compress_sliding();
@@ -479,55 +479,7 @@ pub fn group_policy<'a>(
             ),
         });
     }
-    Ok(Box::new(AsGroup {
-        base: if keep_window { &FULL } else { policy },
-        layers: datas.iter().map(|d| d.layer).collect(),
-    }))
-}
-
-/// `base` with `layers` as one of its layer groups (and every other layer on
-/// its own), so that a session can cover a group [`replay_groups`] split.
-struct AsGroup<'a> {
-    base: &'a dyn Policy,
-    layers: Vec<usize>,
-}
-
-impl Policy for AsGroup<'_> {
-    fn name(&self) -> String {
-        self.base.name()
-    }
-    fn prefill(
-        &self,
-        ctx: &PrefillCtx,
-    ) -> Result<(Vec<HeadCache>, Box<dyn crate::policy::DecodeState>), ReplayError> {
-        self.base.prefill(ctx)
-    }
-    fn prompt_queries(&self, p: usize, b: usize) -> usize {
-        self.base.prompt_queries(p, b)
-    }
-    fn compress_sliding(&self) -> bool {
-        self.base.compress_sliding()
-    }
-    fn layer_groups(&self, n_layers: usize, _: usize, _: usize) -> Vec<Vec<usize>> {
-        let mut g: Vec<Vec<usize>> = (0..n_layers)
-            .filter(|l| !self.layers.contains(l))
-            .map(|l| vec![l])
-            .collect();
-        g.push(self.layers.clone());
-        g
-    }
-    fn prefill_group(
-        &self,
-        ctxs: &[PrefillCtx],
-    ) -> Result<
-        (
-            Vec<Vec<HeadCache>>,
-            Box<dyn crate::policy::GroupDecodeState>,
-        ),
-        ReplayError,
-    > {
-        self.base.prefill_group(ctxs)
-    }
+    Ok(if keep_window { &FULL } else { policy })
 }
 
 fn replay_group_refs(
@@ -537,7 +489,7 @@ fn replay_group_refs(
 ) -> Result<Vec<LayerResult>, ReplayError> {
     let (p, t) = (datas[0].prompt_len, datas[0].total_len);
     let policy = group_policy(policy, datas)?;
-    let mut session = Session::prefill(policy.as_ref(), datas, b)?;
+    let mut session = Session::prefill_group(policy, datas, b)?;
     // The full-cache reference of every decode step: independent of the policy
     // and the budget, so computed once per trace and layer in a sweep.
     let reference: Vec<Arc<Reference>> = datas

@@ -71,6 +71,34 @@ impl Session {
                 ),
             });
         }
+        Session::with_groups(policy, layers, budget, groups)
+    }
+
+    /// Prefill of `layers` as one group, whatever the policy's own
+    /// `layer_groups` (the groups [`crate::engine::replay_groups`] decided,
+    /// which split a policy's group that mixes sliding-window and
+    /// full-attention layers).
+    pub fn prefill_group(
+        policy: &dyn Policy,
+        layers: &[&LayerData],
+        budget: usize,
+    ) -> Result<Session, ReplayError> {
+        assert!(!layers.is_empty(), "a session covers at least one layer");
+        Session::with_groups(
+            policy,
+            layers,
+            budget,
+            std::iter::once(0..layers.len()).collect(),
+        )
+    }
+
+    /// Prefill of `layers`, replayed together in runs `groups` (indices into `layers`).
+    fn with_groups(
+        policy: &dyn Policy,
+        layers: &[&LayerData],
+        budget: usize,
+        groups: Vec<Range<usize>>,
+    ) -> Result<Session, ReplayError> {
         let mut caches: Vec<Vec<HeadCache>> = vec![Vec::new(); layers.len()];
         let mut states = Vec::new();
         for r in &groups {

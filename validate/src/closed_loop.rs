@@ -184,7 +184,7 @@ pub fn decode_compressed(
     let sliding: Vec<bool> = pre.layers.iter().map(|l| l.window.is_some()).collect();
     for g in replay_groups(policy, &sliding, b, pre.prompt_len) {
         let layers: Vec<&LayerData> = g.iter().map(|&l| &pre.layers[l]).collect();
-        let session = Session::prefill(group_policy(policy, &layers)?.as_ref(), &layers, b)?;
+        let session = Session::prefill_group(group_policy(policy, &layers)?, &layers, b)?;
         for (i, &l) in g.iter().enumerate() {
             at[l] = (sessions.len(), i);
         }
