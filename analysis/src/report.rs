@@ -265,7 +265,7 @@ fn figure(
     for (ptitle, specs, traces) in panels {
         let mut series = Vec::new();
         for spec in specs {
-            let cs = curves(plan, points, spec, metric.x, &window, &|s| (metric.y)(s));
+            let cs = curves(plan, points, spec, metric.x, window, &|s| (metric.y)(s));
             let cs: Vec<&Curve> = traces
                 .iter()
                 .filter_map(|&i| cs.get(i).and_then(|c| c.1.as_ref()))
