@@ -46,6 +46,9 @@ pub enum Family {
     Eviction,
     Merging,
     Quantisation,
+    /// Low-rank or sparse approximations of the keys and values (every
+    /// position kept, each stored approximately).
+    LowRank,
     CrossLayer,
     Allocation,
 }
@@ -57,6 +60,7 @@ impl Family {
             Family::Eviction => "eviction",
             Family::Merging => "merging",
             Family::Quantisation => "quantisation",
+            Family::LowRank => "low-rank",
             Family::CrossLayer => "cross-layer",
             Family::Allocation => "budget allocation",
         }

@@ -402,7 +402,7 @@ mod invariants {
                         let bound = match caps.family {
                             // full, a wrapper alone (quant, sliding: over full), MiniCache on one layer: nothing dropped
                             _ if info.is_wrapper() => p + i,
-                            Family::Reference | Family::Quantisation | Family::CrossLayer => p + i,
+                            Family::Reference | Family::Quantisation | Family::LowRank | Family::CrossLayer => p + i,
                             _ if caps.holds_capacity => b,
                             _ => b.min(p) + i,
                         };
