@@ -23,7 +23,9 @@ pub mod knorm;
 pub mod kvmerger;
 pub mod lagkv;
 pub mod leverage;
+pub mod mikv;
 pub mod minicache;
+pub mod mustafar;
 pub mod observed_attention;
 pub mod pyramidkv;
 pub mod quant;
@@ -33,6 +35,7 @@ pub mod sliding;
 pub mod snapkv;
 pub mod streaming_llm;
 pub mod tova;
+pub mod zipcache;
 
 /// Every policy, in the order `kvreplay policies` lists them.
 pub static REGISTRY: &[&PolicyInfo] = &[
@@ -60,6 +63,9 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &a2sf::INFO,
     &leverage::INFO,
     &cur::INFO,
+    &mikv::INFO,
+    &mustafar::INFO,
+    &zipcache::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {
