@@ -31,6 +31,8 @@ import time
 import numpy as np
 from safetensors.numpy import load_file
 
+from reference_quantmeth import QUANTMETH
+
 
 def load(trace):
     man = json.load(open(f"{trace}/manifest.json"))
@@ -225,6 +227,10 @@ def leverage_keep(kg, p, b, layer, g, rope, **opts):
 
 PRESSES = {"observed_attention": observed_attention_keep, "keydiff": keydiff_keep, "lagkv": lagkv_keep,
            "cur": cur_keep, "leverage": leverage_keep}
+# Methods that re-express the prompt's keys and values (every position kept):
+# name -> fn(kg, vg, q, colsum, heads, p, b, layer, g, rope, scale, **opts) -> (K, V) of the prompt.
+COMPRESSORS = {}
+COMPRESSORS.update(QUANTMETH)
 
 
 def replay(policy, b, man, layers):
@@ -286,6 +292,12 @@ def replay(policy, b, man, layers):
                     prompt_kept[keep] = True
                     prompt_kept[p:] = True
                     kept = causal & prompt_kept[None, :]
+            kc, vc = k[g], v[g]
+            if name in COMPRESSORS:
+                kept = causal
+                kc, vc = k[g].copy(), v[g].copy()
+                kc[:p], vc[:p] = COMPRESSORS[name](kg=k[g], vg=v[g], q=q, colsum=colsum, heads=heads, p=p, b=b,
+                                                   layer=li, g=g, rope=m.get("rope"), scale=scale, **opts)
             for h in heads:
                 logits = scale * q[h, steps] @ k[g].T  # (n, T)
                 p_full = softmax_masked(logits, causal)
@@ -297,8 +309,8 @@ def replay(policy, b, man, layers):
                                                s=a2sf_s, alpha=float(opts.get("alpha", "0.8")))
                 else:
                     kept_h = kept
-                    p_comp = softmax_masked(logits, kept_h)
-                o_c = p_comp @ v[g]
+                    p_comp = softmax_masked(scale * q[h, steps] @ kc.T, kept_h)
+                o_c = p_comp @ vc
                 r = metrics(o_c, o_f, p_full, kept_h, p_comp)
                 sums += [x.mean() for x in r]
                 count += 1

@@ -1,0 +1,131 @@
+"""Independent NumPy transcriptions (float64) of the methods of branch
+`quantmeth` that re-express the prompt's keys and values instead of choosing
+positions: MiKV, Mustafar, ZipCache, GEAR, KVQuant (docs/methods/NAME.md).
+
+Each function takes the trace of one KV head (kg, vg: (T, d) float64 of the
+f16 trace values; q: (n_heads, T, d); colsum: (n_heads, P)), the query heads
+`heads` of that KV head, the prompt length p and budget b, and returns the
+compressed prompt keys and values (P, d) that the cache holds (dequantised /
+pruned / approximated). reference_replay.py attends over them for every
+decode query; decode entries stay exact, as kvreplay appends them.
+
+Quantisation is the KIVI min-max rule: scale = (max - min) / (2^b - 1) and
+zero = min, both stored in f16 (np.float16 rounds to nearest even, as the
+Rust `half` crate does), code = round((x - zero) / scale) clamped to
+[0, 2^b - 1] with rounding half away from zero (Rust's f32::round; the codes
+are never negative before the clamp matters, so floor(x + 0.5)).
+"""
+import numpy as np
+
+
+def f16(x):
+    return np.asarray(x, dtype=np.float64).astype(np.float16).astype(np.float64)
+
+
+def fake_quant(x, bits):
+    """Min-max quantisation of the 1-D group x at `bits`, dequantised."""
+    levels = 2.0 ** bits - 1
+    mn, mx = x.min(), x.max()
+    scale, zero = f16((mx - mn) / levels), f16(mn)
+    if scale <= 0:
+        return np.full_like(x, zero)
+    return np.clip(np.floor((x - zero) / scale + 0.5), 0, levels) * scale + zero
+
+
+def quant_rows(x, bits, group):
+    """Each row of x (n, d) quantised in groups of `group` channels at bits[i] (16: untouched)."""
+    out = x.copy()
+    for i, bi in enumerate(bits):
+        if bi >= 16:
+            continue
+        for c0 in range(0, x.shape[1], group):
+            out[i, c0:c0 + group] = fake_quant(x[i, c0:c0 + group], bi)
+    return out
+
+
+def top_k(scores, cand, k):
+    """The k best candidates by (score desc, position desc), ascending."""
+    cand = np.asarray(cand)
+    order = np.lexsort((-cand, -scores[cand]))
+    return np.sort(cand[order[:k]])
+
+
+# ---------------------------------------------------------------- MiKV
+
+def mikv(kg, vg, q, colsum, heads, p, b, hi_bits="8", lo_bits="2", group="64", balance="true", **_):
+    """H2O (prefill form, recent = B//2, group-mean column sums) picks the B
+    important positions, quantised per token at hi_bits; the rest at lo_bits.
+    Keys are scaled per channel by the balancer sqrt(max|q| / max|k|) (f16)
+    before quantisation and divided back after."""
+    hi, lo, grp = int(hi_bits), int(lo_bits), int(group)
+    heads = list(heads)
+    if p <= b:
+        imp = np.arange(p)
+    else:
+        r = b // 2
+        s = colsum[heads].mean(axis=0)
+        imp = np.concatenate([top_k(s, np.arange(p - r), b - r), np.arange(p - r, p)])
+    bits = np.full(p, lo)
+    bits[imp] = hi
+    k = kg[:p].copy()
+    bal = None
+    if balance == "true" and min(hi, lo) < 16:
+        qmax = np.abs(q[heads][:, :p]).max(axis=(0, 1))
+        kmax = np.abs(k).max(axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            bal = np.where((qmax > 0) & (kmax > 0), f16(np.sqrt(qmax / kmax)), 1.0)
+        quantised = bits < 16
+        k[quantised] *= bal
+    kc = quant_rows(k, bits, grp)
+    if bal is not None:
+        kc[bits < 16] /= bal
+    return kc, quant_rows(vg[:p], bits, grp)
+
+
+# ---------------------------------------------------------------- ZipCache
+
+def separable_tokenwise(x, bits):
+    """Channel-separable token-wise quantisation: channels divided by
+    c = f16(sqrt(max |x|)) over the prompt, each row one group, times c."""
+    m = np.abs(x).max(axis=0)
+    c = np.where(m > 0, f16(np.sqrt(m)), 1.0)
+    return quant_rows(x / c, bits, x.shape[1]) * c
+
+
+def zipcache(kg, vg, colsum, heads, p, b, hi_bits="4", lo_bits="2", salient="budget", **_):
+    """Saliency s_i = mean over the KV head's query heads of colsum_i / (P - i);
+    the top B (or floor(f P)) at hi_bits, the rest at lo_bits."""
+    heads = list(heads)
+    s = (colsum[heads] / (p - np.arange(p))[None, :]).mean(axis=0)
+    n = min(b, p) if salient == "budget" else min(int(np.floor(float(salient) * p)), p)
+    bits = np.full(p, int(lo_bits))
+    bits[top_k(s, np.arange(p), n)] = int(hi_bits)
+    return separable_tokenwise(kg[:p], bits), separable_tokenwise(vg[:p], bits)
+
+
+# ---------------------------------------------------------------- Mustafar
+
+def prune_rows(x, keep):
+    """Each row keeps its `keep` largest |x| (ties: lower channel), others 0."""
+    out = np.zeros_like(x)
+    idx = np.arange(x.shape[1])
+    for i, row in enumerate(x):
+        order = np.lexsort((idx, -np.abs(row)))[:keep]
+        out[i, order] = row[order]
+    return out
+
+
+def mustafar(kg, vg, p, sparsity="0.7", window="32", **_):
+    """Per-token magnitude pruning; newest `window` keys and newest P mod
+    `window` values dense."""
+    d = kg.shape[1]
+    keep = d - int(np.floor(float(sparsity) * d))
+    w = int(window)
+    dk, dv = min(w, p), p % w
+    k, v = kg[:p].copy(), vg[:p].copy()
+    k[: p - dk] = prune_rows(k[: p - dk], keep)
+    v[: p - dv] = prune_rows(v[: p - dv], keep)
+    return k, v
+
+
+QUANTMETH = {"mikv": mikv, "zipcache": zipcache, "mustafar": mustafar}
