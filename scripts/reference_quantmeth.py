@@ -128,4 +128,117 @@ def mustafar(kg, vg, p, sparsity="0.7", window="32", **_):
     return k, v
 
 
-QUANTMETH = {"mikv": mikv, "zipcache": zipcache, "mustafar": mustafar}
+# ---------------------------------------------------------------- GEAR
+
+def gear_matrix(x, bits, group, rank, outliers, per_channel):
+    """X^ = Q_b(X - S) + L + S: S the floor(s n) largest |x| (ties: lower flat
+    index), Q per channel in groups of `group` positions (keys) or per token
+    in groups of `group` channels (values), L the rank-r truncated SVD of the
+    residual (np.linalg.svd)."""
+    p, d = x.shape
+    flat = x.ravel()
+    n_out = min(int(np.floor(outliers * flat.size)), flat.size)
+    idx = np.lexsort((np.arange(flat.size), -np.abs(flat)))[:n_out]
+    s = np.zeros(flat.size)
+    s[idx] = flat[idx]
+    s = s.reshape(p, d)
+    dm = x - s
+    if per_channel:
+        qd = np.empty_like(dm)
+        for t0 in range(0, p, group):
+            for c in range(d):
+                qd[t0:t0 + group, c] = fake_quant(dm[t0:t0 + group, c], bits)
+    else:
+        qd = quant_rows(dm, [bits] * p, group)
+    r = min(rank, p, d)
+    resid = dm - qd
+    if r > 0:
+        u, sv, vt = np.linalg.svd(resid, full_matrices=False)
+        low = (u[:, :r] * sv[:r]) @ vt[:r]
+    else:
+        low = np.zeros_like(resid)
+    return qd + low + s
+
+
+def gear(kg, vg, p, bits="4", group="64", rank="4", outliers="0.02", **_):
+    a = (int(bits), int(group), int(rank), float(outliers))
+    return gear_matrix(kg[:p], *a, per_channel=True), gear_matrix(vg[:p], *a, per_channel=False)
+
+
+# ---------------------------------------------------------------- KVQuant
+
+def rope_rotate(x, rope, sign):
+    """Rotate rows (P, d) at positions 0..P-1 by sign * their RoPE angles
+    (sign -1: back to pre-RoPE; no frequency scaling)."""
+    assert rope["scaling"]["type"] == "none", rope
+    p = x.shape[0]
+    rot = rope["rotated_dims"]
+    half = rot // 2
+    ang = sign * np.arange(p)[:, None] * rope["theta"] ** (-2.0 * np.arange(half) / rot)[None, :]
+    c, s = np.cos(ang), np.sin(ang)
+    if rope["style"] == "neox":
+        i, j = np.arange(half), np.arange(half) + half
+    else:
+        i, j = 2 * np.arange(half), 2 * np.arange(half) + 1
+    out = x.copy()
+    out[:, i] = x[:, i] * c - x[:, j] * s
+    out[:, j] = x[:, j] * c + x[:, i] * s
+    return out
+
+
+def nearest(cb, v):
+    """Nearest centroid index per value (ties: the lower index)."""
+    dist = np.abs(np.asarray(v)[:, None] - np.asarray(cb)[None, :])
+    return np.argmin(dist, axis=1)  # argmin returns the first minimum
+
+
+def kmeans_1d(z, k, iters):
+    c = -1.0 + 2.0 * np.arange(k) / (k - 1)
+    for _ in range(iters):
+        a = nearest(c, z)
+        for j in range(k):
+            if (a == j).any():
+                c[j] = z[a == j].mean()
+    return c
+
+
+def kvquant_matrix(x, bits, outliers, n_sink, iters, per_channel):
+    p, d = x.shape
+    s = min(n_sink, p)
+    x = x.copy()
+    if s == p:
+        return x
+    body = x[s:]
+    n = body.size
+    k = min(int(np.floor(outliers * n)), n)
+    flat = body.ravel()
+    out = np.zeros(n, bool)
+    out[np.lexsort((np.arange(n), -np.abs(flat)))[:k]] = True
+    out = out.reshape(body.shape)
+    centre, half = np.zeros(body.shape), np.ones(body.shape)
+    zs = []
+    vecs = [(slice(None), c) for c in range(d)] if per_channel else [(t, slice(None)) for t in range(body.shape[0])]
+    for v in vecs:
+        inl = body[v][~out[v]]
+        if inl.size:
+            h = f16((inl.max() - inl.min()) / 2)
+            centre[v], half[v] = f16((inl.max() + inl.min()) / 2), (h if h > 0 else 1.0)
+        zs.append(((body[v] - centre[v]) / half[v])[~out[v]])
+    cb = f16(kmeans_1d(np.concatenate(zs), 2 ** bits, iters))
+    z = (body - centre) / half
+    deq = cb[nearest(cb, z.ravel())].reshape(body.shape) * half + centre
+    x[s:] = np.where(out, body, deq)
+    return x
+
+
+def kvquant(kg, vg, p, rope, bits="3", outliers="0.01", n_sink="1", iters="20", **_):
+    a = (int(bits), float(outliers), int(n_sink), int(iters))
+    k = rope_rotate(kg[:p], rope, -1.0) if rope else kg[:p]
+    kq = kvquant_matrix(k, *a, per_channel=True)
+    if rope:
+        kq = rope_rotate(kq, rope, 1.0)
+    kq[: min(int(n_sink), p)] = kg[: min(int(n_sink), p)]
+    return kq, kvquant_matrix(vg[:p], *a, per_channel=False)
+
+
+QUANTMETH = {"mikv": mikv, "zipcache": zipcache, "mustafar": mustafar, "gear": gear, "kvquant": kvquant}

@@ -536,7 +536,7 @@ fn kvpress_presses_and_a2sf_match_the_numpy_reference() {
     );
 }
 
-/// MiKV, ZipCache and Mustafar against scripts/reference_quantmeth.py: an
+/// MiKV, ZipCache, Mustafar, GEAR and KVQuant against scripts/reference_quantmeth.py: an
 /// independent float64 NumPy transcription of each rule that rebuilds the
 /// compressed prompt keys and values itself and attends over them (decode
 /// entries exact). kvreplay quantises in f32 (scale and zero rounded to f16
@@ -563,6 +563,14 @@ fn quantmeth_methods_match_the_numpy_reference() {
         "mustafar",
         "mustafar:sparsity=0.5",
         "mustafar:window=64",
+        "gear",
+        "gear:bits=2",
+        "gear:rank=0",
+        "gear:outliers=0",
+        "kvquant",
+        "kvquant:bits=2",
+        "kvquant:outliers=0",
+        "kvquant:n_sink=0",
     ];
     let o = Command::new(python)
         .arg(std::path::Path::new(common::ROOT).join("scripts/reference_replay.py"))

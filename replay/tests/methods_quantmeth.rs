@@ -28,7 +28,13 @@ fn close(a: &[f32], b: &[f32], what: &str) {
 fn layer(q: [f32; 4], keys: &[[f32; 4]], values: &[[f32; 4]]) -> LayerData {
     let t = keys.len();
     let rows = |x: &[[f32; 4]]| vec![x.iter().map(|r| r.to_vec()).collect::<Vec<_>>()];
-    explicit_layer(&[vec![q.to_vec(); t]], &rows(keys), &rows(values), t - 1, 1.0)
+    explicit_layer(
+        &[vec![q.to_vec(); t]],
+        &rows(keys),
+        &rows(values),
+        t - 1,
+        1.0,
+    )
 }
 
 // ---------------------------------------------------------------- MiKV
@@ -165,7 +171,10 @@ fn zipcache_quantises_salient_tokens_at_high_bits() {
     // a fraction of the prompt instead of B: ⌊0.5 · 6⌋ = 3 salient, {4, 0, 1}
     let c = &prefill("zipcache:salient=0.5", &data, 2)[0];
     assert_eq!(c.bits, vec![96 + 128, 96, 80, 80, 96, 80]);
-    assert!(PolicySpec::parse("zipcache:salient=1.5").unwrap().build().is_err());
+    assert!(PolicySpec::parse("zipcache:salient=1.5")
+        .unwrap()
+        .build()
+        .is_err());
 }
 
 // ---------------------------------------------------------------- Mustafar
@@ -189,11 +198,11 @@ fn mustafar_prunes_each_vector_to_its_largest_elements() {
         [0.0; 4],
     ];
     let values = [
-        [0.5, 0.6, -0.7, 0.1], // → (0, 0.6, −0.7, 0)
-        [1.0, 0.0, 0.0, 0.0],  // → (1, 0, 0, 0): the tie among zeros keeps channel 1
-        [3.0, -3.0, 3.0, 1.0], // → (3, −3, 0, 0)
-        [0.0, 0.0, 0.2, 0.1],  // → (0, 0, 0.2, 0.1)
-        [5.0, 4.0, 3.0, 2.0],  // → (5, 4, 0, 0)
+        [0.5, 0.6, -0.7, 0.1],  // → (0, 0.6, −0.7, 0)
+        [1.0, 0.0, 0.0, 0.0],   // → (1, 0, 0, 0): the tie among zeros keeps channel 1
+        [3.0, -3.0, 3.0, 1.0],  // → (3, −3, 0, 0)
+        [0.0, 0.0, 0.2, 0.1],   // → (0, 0, 0.2, 0.1)
+        [5.0, 4.0, 3.0, 2.0],   // → (5, 4, 0, 0)
         [-1.0, 2.0, -3.0, 4.0], // → (0, 0, −3, 4)
         [0.0; 4],
     ];
@@ -232,6 +241,173 @@ fn mustafar_prunes_each_vector_to_its_largest_elements() {
     let mut x: Vec<f32> = (0..64).map(|i| (i as f32 - 31.5) * 0.1).collect();
     assert_eq!(kvreplay_replay::policies::mustafar::prune(&mut x, 20), 448);
     assert_eq!(x.iter().filter(|v| **v != 0.0).count(), 20);
-    assert!(PolicySpec::parse("mustafar:sparsity=1").unwrap().build().is_err());
-    assert!(PolicySpec::parse("mustafar:window=0").unwrap().build().is_err());
+    assert!(PolicySpec::parse("mustafar:sparsity=1")
+        .unwrap()
+        .build()
+        .is_err());
+    assert!(PolicySpec::parse("mustafar:window=0")
+        .unwrap()
+        .build()
+        .is_err());
+}
+
+// ---------------------------------------------------------------- GEAR
+
+/// d = 2, P = 4, 2 bits, group 4 (one key group per channel, one value group
+/// per token), outliers 0.2: ⌊0.2 · 8⌋ = 1 outlier per matrix.
+/// Keys: the outlier is 100 at (0, 1); D = X − S has channel 0 = (0, 1, 2.4, 3)
+/// → scale 1, zero 0 → (0, 1, 2, 3) and channel 1 = (0, 0, 3, 2) → exact.
+/// At rank 0: X̂ = Q(D) + S = (0, 100), (1, 0), (2, 3), (3, 2). The residual
+/// R = D − Q(D) has one non-zero, 0.4 at (2, 0): rank 1, so at rank 1 the
+/// keys come back exactly. Values: the outlier is 50 at (3, 0); every row
+/// spans a range whose third is exact in f16, two elements per group, so the
+/// quantised values are exact and R = 0.
+/// Bits at rank 0: keys 2·2 = 4 per entry, the 2 channel groups' scale and
+/// zero 2·2·16 = 64 and the outlier 16 + 32 = 48 on entry 0; values 4 + 32
+/// per entry, the outlier's 48 on entry 3. Rank 1 adds, for keys and for
+/// values, 16 per entry (left factor) and 2·16 = 32 on entry 0 (right factor).
+#[test]
+fn gear_restores_outliers_and_the_low_rank_residual() {
+    let keys = [[0.0, 100.0], [1.0, 0.0], [2.4, 3.0], [3.0, 2.0], [0.0, 0.0]];
+    let values = [[0.0, 3.0], [1.5, 0.0], [-1.0, 2.0], [50.0, 0.0], [0.0, 0.0]];
+    let rows = |x: &[[f32; 2]]| vec![x.iter().map(|r| r.to_vec()).collect::<Vec<_>>()];
+    let data = explicit_layer(
+        &[vec![vec![1.0, 0.0]; 5]],
+        &rows(&keys),
+        &rows(&values),
+        4,
+        1.0,
+    );
+    let c = &prefill("gear:bits=2,group=4,outliers=0.2,rank=0", &data, 2)[0];
+    let want_k = [[0.0, 100.0], [1.0, 0.0], [2.0, 3.0], [3.0, 2.0]];
+    for e in 0..4 {
+        close(c.key(e), &want_k[e], &format!("key {e}"));
+        close(c.value(e), &values[e], &format!("value {e}"));
+    }
+    assert_eq!(c.bits, vec![116 + 36, 4 + 36, 4 + 36, 4 + 36 + 48]);
+    let c = &prefill("gear:bits=2,group=4,outliers=0.2,rank=1", &data, 2)[0];
+    for e in 0..4 {
+        close(c.key(e), &keys[e], &format!("rank-1 key {e}"));
+        close(c.value(e), &values[e], &format!("rank-1 value {e}"));
+    }
+    assert_eq!(c.bits, vec![152 + 96, 40 + 32, 40 + 32, 88 + 32]);
+    // the budget is ignored
+    assert_eq!(
+        &prefill("gear:bits=2,group=4,outliers=0.2,rank=1", &data, 4)[0],
+        c
+    );
+    // full rank reproduces any matrix (up to f32 rounding)
+    let data = common::random_layer(3, 2, 1, 8, 30, 32);
+    let c = &prefill("gear:bits=2,rank=8", &data, 4)[0];
+    for e in 0..30 {
+        for (a, b) in c.key(e).iter().zip(data.k_row(0, e)) {
+            assert!((a - b).abs() < 1e-4, "full-rank key {e}: {a} vs {b}");
+        }
+    }
+    assert!(PolicySpec::parse("gear:group=0").unwrap().build().is_err());
+    assert!(PolicySpec::parse("gear:outliers=2")
+        .unwrap()
+        .build()
+        .is_err());
+}
+
+// ---------------------------------------------------------------- KVQuant
+
+/// d = 2, P = 5, 2 bits (4 centroids), n_sink 1, outliers 0.125: position 0
+/// stays f16; ⌊0.125 · 8⌋ = 1 outlier among the other 8 entries of each matrix.
+/// Keys (pre-RoPE), per channel: the outlier is 30 at (4, 0). Channel 0's
+/// inliers −1, 1, 0.2 → centre 0, half-range 1; channel 1's 2, 4, 3.2, 2.5 →
+/// centre 3, half-range 1. Normalised pool (−1, 1, 0.2, −1, 1, 0.2, −0.5);
+/// k-means from (−1, −⅓, ⅓, 1): −0.5 → −⅓, 0.2 → ⅓, so one Lloyd step gives
+/// (−1, −0.5, 0.2, 1), a fixed point; in f16 0.2 is 0.199951171875.
+/// Dequantised: (−1, 2), (1, 4), (0.19995, 3.19995), (30, 2.5).
+/// Values, per token: (1, 3), (0.5, −0.5), (−2, 2) normalise to ±1; the
+/// outlier 40 leaves its token's 2 alone (half-range 0 → 1, z = 0, which
+/// pulls the nearer of ±⅓ (⅓, by f64 rounding of the grid) to 0): every value
+/// is exact. Bits: keys 2·2 = 4 per entry, values 4 + 2·16 (centre,
+/// half-range); each outlier 16 + 32; on entry 1 the keys' 2·2 centres and
+/// half-ranges (64) and both codebooks (2 · 4 · 16 = 128); the sink 2·2·16 = 64.
+#[test]
+fn kvquant_quantises_pre_rope_keys_with_a_kmeans_codebook() {
+    use kvreplay_kernels::cpu::{apply_rope, unapply_rope, RopeParams, RopeStyle};
+    let pre = [
+        [9.0, 9.0],
+        [-1.0, 2.0],
+        [1.0, 4.0],
+        [0.2, 3.2],
+        [30.0, 2.5],
+        [0.0, 0.0],
+    ];
+    let values = [
+        [7.0, 7.0],
+        [1.0, 3.0],
+        [0.5, -0.5],
+        [40.0, 2.0],
+        [-2.0, 2.0],
+        [0.0, 0.0],
+    ];
+    let want = [
+        [9.0, 9.0],
+        [-1.0, 2.0],
+        [1.0, 4.0],
+        [0.199951171875, 3.199951171875],
+        [30.0, 2.5],
+    ];
+    let rows = |x: &[[f32; 2]]| vec![x.iter().map(|r| r.to_vec()).collect::<Vec<_>>()];
+    let spec = "kvquant:bits=2,outliers=0.125,n_sink=1";
+    // without RoPE the stored keys are quantised as they are
+    let data = explicit_layer(
+        &[vec![vec![1.0, 0.0]; 6]],
+        &rows(&pre),
+        &rows(&values),
+        5,
+        1.0,
+    );
+    let c = &prefill(spec, &data, 2)[0];
+    for e in 0..5 {
+        close(c.key(e), &want[e], &format!("key {e}"));
+        close(c.value(e), &values[e], &format!("value {e}"));
+    }
+    assert_eq!(
+        c.bits,
+        vec![64, 4 + 192 + 36, 4 + 36, 4 + 36 + 48, 4 + 48 + 36]
+    );
+    // with RoPE: the stored keys are the rotated pre-RoPE rows; the policy
+    // quantises the pre-RoPE rows and rotates back (round trip in f32)
+    let rope = RopeParams {
+        theta: 10000.0,
+        style: RopeStyle::Neox,
+        rotated_dims: 2,
+        linear_factor: 1.0,
+        llama3: None,
+    };
+    let mut post: Vec<f32> = pre.iter().flatten().copied().collect();
+    apply_rope(&mut post, 1, 2, 0, &rope);
+    let post: Vec<[f32; 2]> = post.chunks(2).map(|r| [r[0], r[1]]).collect();
+    let mut data = explicit_layer(
+        &[vec![vec![1.0, 0.0]; 6]],
+        &rows(&post),
+        &rows(&values),
+        5,
+        1.0,
+    );
+    data.rope = Some(rope);
+    let c = &prefill(spec, &data, 2)[0];
+    let mut got = c.keys.clone();
+    unapply_rope(&mut got, 1, 2, 0, &rope);
+    for e in 0..5 {
+        for (a, b) in got[2 * e..2 * e + 2].iter().zip(&want[e]) {
+            assert!(
+                (a - b).abs() < 1e-4,
+                "pre-RoPE key {e}: {:?} vs {:?}",
+                &got[2 * e..2 * e + 2],
+                want[e]
+            );
+        }
+    }
+    assert_eq!(c.key(0), data.k_row(0, 0), "the sink is untouched");
+    assert!(PolicySpec::parse("kvquant:iters=0")
+        .unwrap()
+        .build()
+        .is_err());
 }

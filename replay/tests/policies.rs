@@ -263,7 +263,9 @@ fn every_policy_at_a_covering_budget_equals_full() {
         kvreplay_replay::replay(&trace, p.as_ref(), kvreplay_replay::Budget::Entries(b)).unwrap()
     };
     // Policies that re-express entries whatever the budget are excluded by
-    // their capabilities: quant changes values at any budget; d2o clamps every
+    // their capabilities: quant changes values at any budget, and so do the
+    // mixed-precision, sparse and low-rank stores (mikv, mustafar, zipcache,
+    // gear, kvquant: every position kept, each re-expressed); d2o clamps every
     // layer's capacity at the prompt length (d2o.md: r_l <= 1), so it holds P
     // entries during decode whatever the budget (its prefill keeps everything,
     // checked below); ems re-expands every key from a stored direction and
@@ -287,7 +289,7 @@ fn every_policy_at_a_covering_budget_equals_full() {
         .collect();
     assert_eq!(
         excluded,
-        ["d2o", "ems", "quant"],
+        ["d2o", "ems", "quant", "mikv", "mustafar", "zipcache", "gear", "kvquant"],
         "which policies are exempt is deliberate"
     );
     assert_eq!(kept("d2o", &layers[0], 40)[0], (0..40).collect::<Vec<_>>());

@@ -103,13 +103,23 @@ impl Mikv {
         let mut kmax = vec![0f32; d];
         for i in 0..p {
             for h in g * gs..(g + 1) * gs {
-                qmax.iter_mut().zip(ctx.query(h, i)).for_each(|(m, x)| *m = m.max(x.abs()));
+                qmax.iter_mut()
+                    .zip(ctx.query(h, i))
+                    .for_each(|(m, x)| *m = m.max(x.abs()));
             }
-            kmax.iter_mut().zip(ctx.key(g, i)).for_each(|(m, x)| *m = m.max(x.abs()));
+            kmax.iter_mut()
+                .zip(ctx.key(g, i))
+                .for_each(|(m, x)| *m = m.max(x.abs()));
         }
         qmax.iter()
             .zip(&kmax)
-            .map(|(q, k)| if *q > 0.0 && *k > 0.0 { f16r((q / k).sqrt()) } else { 1.0 })
+            .map(|(q, k)| {
+                if *q > 0.0 && *k > 0.0 {
+                    f16r((q / k).sqrt())
+                } else {
+                    1.0
+                }
+            })
             .collect()
     }
 
@@ -147,10 +157,17 @@ impl Policy for Mikv {
         "mikv".into()
     }
     fn prompt_queries(&self, p: usize, b: usize) -> usize {
-        let own = if self.balance && self.hi.min(self.lo) < 16 { p } else { 0 };
+        let own = if self.balance && self.hi.min(self.lo) < 16 {
+            p
+        } else {
+            0
+        };
         own.max(self.select.prompt_queries(p, b))
     }
-    fn prefill(&self, ctx: &PrefillCtx) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
         let (kept, _) = self.select.prefill(ctx)?;
         // a per-query-head scorer keeps one set per query head: a KV head's
         // important positions are the union over its query heads

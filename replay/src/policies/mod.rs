@@ -17,10 +17,12 @@ pub mod cur;
 pub mod d2o;
 pub mod ems;
 pub mod full;
+pub mod gear;
 pub mod h2o;
 pub mod keydiff;
 pub mod knorm;
 pub mod kvmerger;
+pub mod kvquant;
 pub mod lagkv;
 pub mod leverage;
 pub mod mikv;
@@ -66,6 +68,8 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &mikv::INFO,
     &mustafar::INFO,
     &zipcache::INFO,
+    &gear::INFO,
+    &kvquant::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {

@@ -61,8 +61,13 @@ pub fn prune(x: &mut [f32], keep: usize) -> u64 {
     let mut order: Vec<usize> = (0..x.len()).collect();
     order.sort_by(|&a, &b| x[b].abs().total_cmp(&x[a].abs()).then(a.cmp(&b)));
     let mut on = vec![false; x.len()];
-    order[..keep.min(x.len())].iter().for_each(|&i| on[i] = true);
-    x.iter_mut().zip(&on).filter(|(_, o)| !**o).for_each(|(v, _)| *v = 0.0);
+    order[..keep.min(x.len())]
+        .iter()
+        .for_each(|&i| on[i] = true);
+    x.iter_mut()
+        .zip(&on)
+        .filter(|(_, o)| !**o)
+        .for_each(|(v, _)| *v = 0.0);
     on.chunks(64)
         .map(|tile| {
             let kept = tile.iter().filter(|o| **o).count() as u64;
@@ -78,7 +83,10 @@ impl Policy for Mustafar {
     fn prompt_queries(&self, _: usize, _: usize) -> usize {
         0
     }
-    fn prefill(&self, ctx: &PrefillCtx) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
         let (p, d) = (ctx.prompt_len(), ctx.head_dim());
         let keep = d - (self.sparsity * d as f64).floor() as usize;
         let dense_k = self.window.min(p);
@@ -93,7 +101,11 @@ impl Policy for Mustafar {
                     } else {
                         dense
                     };
-                    let vb = if e < p - dense_v { prune(c.value_mut(e), keep) } else { dense };
+                    let vb = if e < p - dense_v {
+                        prune(c.value_mut(e), keep)
+                    } else {
+                        dense
+                    };
                     c.bits[e] = kb + vb;
                 }
                 c

@@ -21,8 +21,8 @@ use std::sync::Arc;
 use crate::cache::{HeadCache, F16_BITS};
 use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
-use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
 use crate::policies::mikv::{f16r, quant_token};
+use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;
 
 const BITS: &[&str] = &["2", "3", "4", "8"];
@@ -69,7 +69,10 @@ pub(crate) fn separable_tokenwise(x: &mut [f32], d: usize, bits: &[u32]) -> Vec<
     for row in x.chunks(d) {
         c.iter_mut().zip(row).for_each(|(m, v)| *m = m.max(v.abs()));
     }
-    let c: Vec<f32> = c.iter().map(|m| if *m > 0.0 { f16r(m.sqrt()) } else { 1.0 }).collect();
+    let c: Vec<f32> = c
+        .iter()
+        .map(|m| if *m > 0.0 { f16r(m.sqrt()) } else { 1.0 })
+        .collect();
     x.chunks_mut(d)
         .zip(bits)
         .map(|(row, &b)| {
@@ -104,7 +107,10 @@ impl Policy for ZipCache {
     fn prompt_queries(&self, _: usize, _: usize) -> usize {
         0
     }
-    fn prefill(&self, ctx: &PrefillCtx) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+    fn prefill(
+        &self,
+        ctx: &PrefillCtx,
+    ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
         let (p, d) = (ctx.prompt_len(), ctx.head_dim());
         let n = match self.salient {
             None => ctx.budget.min(p),
