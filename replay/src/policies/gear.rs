@@ -138,9 +138,14 @@ pub fn low_rank(r_mat: &[f64], n: usize, d: usize, r: usize) -> Vec<f64> {
     let mut g = vec![0f64; d * d];
     for row in r_mat.chunks(d) {
         for a in 0..d {
-            for b in 0..d {
+            for b in a..d {
                 g[a * d + b] += row[a] * row[b];
             }
+        }
+    }
+    for a in 0..d {
+        for b in 0..a {
+            g[a * d + b] = g[b * d + a];
         }
     }
     let (eval, evec) = jacobi_eigen(g, d);

@@ -84,22 +84,29 @@ impl crate::memo::MemoKey for KvQuantCaches {
 
 /// 1-D k-means of `x` with `k` centroids from the uniform grid on [−1, 1],
 /// `iters` Lloyd iterations; an empty cluster keeps its centroid. Returns the
-/// centroids (ascending start; f64).
+/// centroids (f64). In 1-D, Lloyd keeps sorted centroids sorted and the
+/// nearest-centroid index is non-decreasing in the value, so on the sorted
+/// data each cluster is a contiguous run, found by binary search with
+/// [`nearest`] itself, and its mean comes from prefix sums: O(k² log n) per
+/// iteration instead of O(n k).
 pub fn kmeans_1d(x: &[f64], k: usize, iters: usize) -> Vec<f64> {
+    let mut z = x.to_vec();
+    z.sort_by(|a, b| a.total_cmp(b));
+    let mut pre = vec![0f64; z.len() + 1];
+    for (i, v) in z.iter().enumerate() {
+        pre[i + 1] = pre[i] + v;
+    }
     let mut c: Vec<f64> = (0..k)
         .map(|i| -1.0 + 2.0 * i as f64 / (k - 1) as f64)
         .collect();
     for _ in 0..iters {
-        let mut sum = vec![0f64; k];
-        let mut n = vec![0usize; k];
-        for &v in x {
-            let j = nearest(&c, v);
-            sum[j] += v;
-            n[j] += 1;
-        }
+        let starts: Vec<usize> = (0..=k)
+            .map(|j| z.partition_point(|&v| nearest(&c, v) < j))
+            .collect();
         for j in 0..k {
-            if n[j] > 0 {
-                c[j] = sum[j] / n[j] as f64;
+            let (a, b) = (starts[j], starts[j + 1]);
+            if b > a {
+                c[j] = (pre[b] - pre[a]) / (b - a) as f64;
             }
         }
     }

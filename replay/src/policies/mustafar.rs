@@ -58,12 +58,16 @@ pub struct Mustafar {
 /// Zero all but the `keep` largest-|x| elements of `x` (ties: lower index
 /// first); returns the bitmap format's cost in bits.
 pub fn prune(x: &mut [f32], keep: usize) -> u64 {
+    let keep = keep.min(x.len());
     let mut order: Vec<usize> = (0..x.len()).collect();
-    order.sort_by(|&a, &b| x[b].abs().total_cmp(&x[a].abs()).then(a.cmp(&b)));
+    if keep > 0 && keep < x.len() {
+        // the `keep` first by (|x| descending, index ascending), in O(d)
+        order.select_nth_unstable_by(keep - 1, |&a, &b| {
+            x[b].abs().total_cmp(&x[a].abs()).then(a.cmp(&b))
+        });
+    }
     let mut on = vec![false; x.len()];
-    order[..keep.min(x.len())]
-        .iter()
-        .for_each(|&i| on[i] = true);
+    order[..keep].iter().for_each(|&i| on[i] = true);
     x.iter_mut()
         .zip(&on)
         .filter(|(_, o)| !**o)
