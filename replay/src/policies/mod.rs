@@ -28,6 +28,8 @@ pub mod observed_attention;
 pub mod pyramidkv;
 pub mod quant;
 pub mod random;
+pub mod razor;
+pub mod retrieval_head;
 pub mod scissorhands;
 pub mod sliding;
 pub mod snapkv;
@@ -60,6 +62,8 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &a2sf::INFO,
     &leverage::INFO,
     &cur::INFO,
+    &retrieval_head::INFO,
+    &razor::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {
