@@ -535,3 +535,72 @@ fn kvpress_presses_and_a2sf_match_the_numpy_reference() {
         worst[0], worst[1], worst[2], worst[3]
     );
 }
+
+/// The head-level methods (retrieval_head, razor, ...) against their NumPy
+/// transcriptions (scripts/reference_heads.py: whole-model head ranking and
+/// a replay over entries, so razor's compensation entry is compared too) at
+/// B = 32 and 128. Tolerance 1e-5 on the mean metrics: kvreplay computes in
+/// f32 (logits, means of the dropped keys and values) what NumPy computes in
+/// f64; the head ranking itself is discrete and must agree exactly (an
+/// argmax flipped by rounding would move a metric by far more).
+#[test]
+fn heads_methods_match_the_numpy_reference() {
+    let Some(dir) = trace() else { return };
+    let Some(python) = common::python() else {
+        return;
+    };
+    let specs = [
+        "retrieval_head",
+        "retrieval_head:scope=layer",
+        "retrieval_head:frac=0.5",
+        "razor",
+        "razor:compensate=false",
+        "razor:frac=0.3",
+        "razor:scope=layer",
+    ];
+    let o = Command::new(python)
+        .arg(std::path::Path::new(common::ROOT).join("scripts/reference_replay.py"))
+        .arg(dir)
+        .args(["--budgets", "32,128", "--policies", &specs.join(",")])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let trace = Trace::open(dir).unwrap();
+    let mut worst = [0f64; 4];
+    for p in j["points"].as_array().unwrap() {
+        let (spec, b) = (
+            p["policy"].as_str().unwrap(),
+            p["budget"].as_u64().unwrap() as usize,
+        );
+        let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
+        let r = replay(&trace, policy.as_ref(), Budget::Entries(b)).unwrap();
+        let ours = [
+            r.mean(|m| m.rel_l2),
+            r.mean(|m| m.cosine),
+            r.mean(|m| m.attn_mass),
+            r.mean(|m| m.kl),
+        ];
+        let mut point = 0f64;
+        for (i, key) in ["rel_l2", "cosine", "attn_mass", "kl"].iter().enumerate() {
+            let d = (ours[i] - p[key].as_f64().unwrap()).abs();
+            worst[i] = worst[i].max(d);
+            point = point.max(d);
+            assert!(
+                d < 1e-5,
+                "{spec} B={b}: {key} {} (kvreplay) vs {} (NumPy)",
+                ours[i],
+                p[key]
+            );
+        }
+        eprintln!(
+            "{spec} B={b}: rel_l2 {:.4}, memory ratio {:.3}, largest metric difference {point:.1e}",
+            ours[0],
+            r.bytes() as f64 / r.full_bytes() as f64
+        );
+    }
+    eprintln!(
+        "largest difference against NumPy: rel_l2 {:.1e}, cosine {:.1e}, attn_mass {:.1e}, kl {:.1e}",
+        worst[0], worst[1], worst[2], worst[3]
+    );
+}

@@ -13,6 +13,7 @@ pub mod a2sf;
 pub mod adakv;
 pub mod ahakv;
 pub mod cam;
+pub mod compresskv;
 pub mod cur;
 pub mod d2o;
 pub mod ems;
@@ -35,6 +36,7 @@ pub mod sliding;
 pub mod snapkv;
 pub mod streaming_llm;
 pub mod tova;
+pub mod windowkv;
 
 /// Every policy, in the order `kvreplay policies` lists them.
 pub static REGISTRY: &[&PolicyInfo] = &[
@@ -64,6 +66,8 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &cur::INFO,
     &retrieval_head::INFO,
     &razor::INFO,
+    &windowkv::INFO,
+    &compresskv::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {

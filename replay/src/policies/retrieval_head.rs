@@ -80,6 +80,10 @@ crate::params::choice_enum! {
 pub struct HeadScores {
     pub retrieval: Vec<f64>,
     pub echo: Vec<f64>,
+    /// CompressKV's semantic-retrieval score: at each step whose produced
+    /// token occurs in the span, the head's attention mass on the span
+    /// (softmax over 0..=t), summed and divided by the steps.
+    pub srh: Vec<f64>,
 }
 
 /// Memo key of [`head_scores`]: the span copies must fall in.
@@ -116,22 +120,27 @@ fn compute_scores(ctx: &PrefillCtx, span: Range<usize>) -> HeadScores {
     let zero = HeadScores {
         retrieval: vec![0.0; nh],
         echo: vec![0.0; nh],
+        srh: vec![0.0; nh],
     };
     let ids = match ctx.oracle_tokens() {
         Some(t) if t.ids.len() == t_all && t_all > p && p > 0 => &t.ids,
         _ => return zero,
     };
     let steps = t_all - p;
+    let in_span: std::collections::HashSet<u32> = ids[span.clone()].iter().copied().collect();
     let mut out = zero;
     for h in 0..nh {
         let g = h / ctx.group();
-        let (mut copies, mut echoes) = (0usize, 0usize);
+        let (mut copies, mut echoes, mut mass) = (0usize, 0usize, 0f64);
         // the query at t produces ids[t + 1]
         for t in p - 1..t_all - 1 {
             let q = ctx.oracle_query(h, t);
+            let logits: Vec<f32> = (0..=t)
+                .map(|j| crate::policy::dot(q, ctx.oracle_key(g, j)))
+                .collect();
+            // the first maximum
             let (mut best, mut arg) = (f32::NEG_INFINITY, 0usize);
-            for j in 0..=t {
-                let s = crate::policy::dot(q, ctx.oracle_key(g, j));
+            for (j, &s) in logits.iter().enumerate() {
                 if s > best {
                     best = s;
                     arg = j;
@@ -141,9 +150,19 @@ fn compute_scores(ctx: &PrefillCtx, span: Range<usize>) -> HeadScores {
                 copies += usize::from(ids[arg] == ids[t + 1]);
                 echoes += usize::from(arg < t && ids[arg] == ids[t]);
             }
+            if in_span.contains(&ids[t + 1]) {
+                let sc = ctx.scale() as f64;
+                let e: Vec<f64> = logits
+                    .iter()
+                    .map(|&s| (sc * (s as f64 - best as f64)).exp())
+                    .collect();
+                let z: f64 = e.iter().sum();
+                mass += e[span.clone()].iter().sum::<f64>() / z;
+            }
         }
         out.retrieval[h] = copies as f64 / steps as f64;
         out.echo[h] = echoes as f64 / steps as f64;
+        out.srh[h] = mass / steps as f64;
     }
     out
 }
