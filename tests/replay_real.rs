@@ -536,7 +536,7 @@ fn kvpress_presses_and_a2sf_match_the_numpy_reference() {
     );
 }
 
-/// The head-level methods (retrieval_head, razor, ...) against their NumPy
+/// The head-level methods (retrieval_head, razor, windowkv, compresskv) against their NumPy
 /// transcriptions (scripts/reference_heads.py: whole-model head ranking and
 /// a replay over entries, so razor's compensation entry is compared too) at
 /// B = 32 and 128. Tolerance 1e-5 on the mean metrics: kvreplay computes in
@@ -557,6 +557,15 @@ fn heads_methods_match_the_numpy_reference() {
         "razor:compensate=false",
         "razor:frac=0.3",
         "razor:scope=layer",
+        "windowkv",
+        "windowkv:task=other",
+        "windowkv:schedule=uniform",
+        "windowkv:window=4",
+        "windowkv:group=1",
+        "compresskv",
+        "compresskv:alloc=uniform",
+        "compresskv:score=srh",
+        "compresskv:heads=1",
     ];
     let o = Command::new(python)
         .arg(std::path::Path::new(common::ROOT).join("scripts/reference_replay.py"))
