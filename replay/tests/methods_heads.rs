@@ -93,12 +93,21 @@ fn retrieval_head_scores_count_copies_and_keep_whole_heads() {
     assert_eq!(s.retrieval, vec![0.5, 0.0, 0.0, 0.0]);
     assert_eq!(s.echo, vec![0.0; 4]);
     // span=prompt ignores the needle
-    assert_eq!(head_scores(&ctx, SpanChoice::Prompt).retrieval, vec![1.0, 0.0, 0.5, 0.0]);
+    assert_eq!(
+        head_scores(&ctx, SpanChoice::Prompt).retrieval,
+        vec![1.0, 0.0, 0.5, 0.0]
+    );
 
     // top ⌈frac·n⌉ with positive scores, ties to the lower index: 1.0
     // (index 1), then the tie at 0.5 goes to index 0
-    assert_eq!(top_heads(&[0.5, 1.0, 0.5, 0.0], 0.5), vec![true, true, false, false]);
-    assert_eq!(top_heads(&[0.0, 0.0, 0.5, 0.0], 1.0), vec![false, false, true, false]);
+    assert_eq!(
+        top_heads(&[0.5, 1.0, 0.5, 0.0], 0.5),
+        vec![true, true, false, false]
+    );
+    assert_eq!(
+        top_heads(&[0.0, 0.0, 0.5, 0.0], 1.0),
+        vec![false, false, true, false]
+    );
 
     // frac 0.25 of 4 heads: head 0 → KV head 0 whole (6 entries); KV head 1
     // keeps 1 sink and the 3 most recent: {0, 3, 4, 5}.
@@ -134,7 +143,11 @@ fn razor_keeps_retrieval_heads_whole_and_merges_the_dropped_middle() {
     let c1 = &c[1];
     assert_eq!(c1.members, vec![vec![0], vec![1, 2, 3], vec![4], vec![5]]);
     let third = 1.0f32 / 3.0;
-    for (x, want) in c1.key(1).iter().zip([0.0, third, third, third, 0.0, 0.0, 0.0, 0.0]) {
+    for (x, want) in c1
+        .key(1)
+        .iter()
+        .zip([0.0, third, third, third, 0.0, 0.0, 0.0, 0.0])
+    {
         assert!((x - want).abs() < 1e-7, "{:?}", c1.key(1));
     }
     assert_eq!(c1.value(1), &[2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
@@ -147,7 +160,11 @@ fn razor_keeps_retrieval_heads_whole_and_merges_the_dropped_middle() {
     assert_eq!(c[0].len(), 6);
     assert_eq!(c[1].len(), 4);
     // neither: both KV heads compressed; compensate=false drops the middle
-    let c = prefill("razor:frac=0,echo_frac=0,n_sink=1,compensate=false", &data, 4);
+    let c = prefill(
+        "razor:frac=0,echo_frac=0,n_sink=1,compensate=false",
+        &data,
+        4,
+    );
     assert_eq!(c[0].positions(), vec![0, 3, 4, 5]);
     // B = 1: the compensation entry alone stands for the whole prompt
     let c = prefill("razor:frac=0,echo_frac=0", &data, 1);
@@ -159,10 +176,21 @@ fn razor_keeps_retrieval_heads_whole_and_merges_the_dropped_middle() {
     // equals the full attention (softmax with N_d equal logits = one logit
     // + ln N_d, and the mean value is then the weighted value).
     let d = 4;
-    let keys = [[1.0, 0.0, 0.0, 0.0], [0.2, 0.5, 0.0, 0.0], [0.2, 0.5, 0.0, 0.0], [0.2, 0.5, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]];
+    let keys = [
+        [1.0, 0.0, 0.0, 0.0],
+        [0.2, 0.5, 0.0, 0.0],
+        [0.2, 0.5, 0.0, 0.0],
+        [0.2, 0.5, 0.0, 0.0],
+        [0.0, 0.0, 1.0, 0.0],
+        [0.0, 0.0, 0.0, 1.0],
+    ];
     let k = vec![keys.iter().map(|r| r.to_vec()).collect::<Vec<_>>()];
-    let v = vec![(0..6).map(|j| vec![j as f32, 1.0, -(j as f32), 0.5]).collect::<Vec<_>>()];
-    let q = vec![(0..6).map(|j| vec![0.3 * j as f32, 1.0, 0.5, -0.2]).collect::<Vec<_>>()];
+    let v = vec![(0..6)
+        .map(|j| vec![j as f32, 1.0, -(j as f32), 0.5])
+        .collect::<Vec<_>>()];
+    let q = vec![(0..6)
+        .map(|j| vec![0.3 * j as f32, 1.0, 0.5, -0.2])
+        .collect::<Vec<_>>()];
     let eq = explicit_layer(&q, &k, &v, 5, 0.7);
     let c = prefill("razor:frac=0,echo_frac=0,n_sink=1", &eq, 3);
     assert_eq!(c[0].members, vec![vec![0], vec![1, 2, 3], vec![4]]);
@@ -170,8 +198,10 @@ fn razor_keeps_retrieval_heads_whole_and_merges_the_dropped_middle() {
     full.push_exact(5, &keys[5], &v[0][5]);
     comp.push_exact(5, &keys[5], &v[0][5]);
     let qd = &q[0][5];
-    let (o_full, _, _) = kvreplay_replay::engine::attend(qd, &full, 0.7, &Default::default()).unwrap();
-    let (o_comp, _, _) = kvreplay_replay::engine::attend(qd, &comp, 0.7, &Default::default()).unwrap();
+    let (o_full, _, _) =
+        kvreplay_replay::engine::attend(qd, &full, 0.7, &Default::default()).unwrap();
+    let (o_comp, _, _) =
+        kvreplay_replay::engine::attend(qd, &comp, 0.7, &Default::default()).unwrap();
     for (a, b) in o_full.iter().zip(&o_comp) {
         // f32 accumulation of 6 vs 4 terms
         assert!((a - b).abs() < 1e-5, "{o_full:?} vs {o_comp:?}");
@@ -195,7 +225,10 @@ fn eq_cache(data: &LayerData, _d: usize) -> HeadCache {
 ///   W1 (.8 + .125)/2 = .4625, W2 (.1 + .375)/2 = .2375, W3 .2625
 fn windows_layer(layer: usize, silent: bool) -> LayerData {
     let (p, t) = (12, 13);
-    let w = [[1.0f32, 1.0, 1.0, 8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 4.0], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 1.0]];
+    let w = [
+        [1.0f32, 1.0, 1.0, 8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 4.0],
+        [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 1.0],
+    ];
     let q: Vec<Vec<Vec<f32>>> = w
         .iter()
         .map(|wh| {
@@ -241,14 +274,23 @@ fn windowkv_keeps_whole_windows_and_shares_them_within_a_group() {
     assert_eq!(group(&format!("{base},task=other"), 6), avg);
     assert_eq!(group(base, 6), max);
     // B = 9: R = 7, one window dropped: the lowest, W0
-    assert_eq!(group(&format!("{base},select=average"), 9)[1], (3..12).collect::<Vec<_>>());
+    assert_eq!(
+        group(&format!("{base},select=average"), 9)[1],
+        (3..12).collect::<Vec<_>>()
+    );
     // B = 2 ≤ suffix: the last two positions only
     assert_eq!(group(base, 2)[0], vec![10, 11]);
     // B ≥ P: everything
     assert_eq!(group(base, 12)[0], (0..12).collect::<Vec<_>>());
     // groups of `group` consecutive layers
-    let p = PolicySpec::parse("windowkv:group=8").unwrap().build().unwrap();
-    assert_eq!(p.layer_groups(30, 64, 1000)[3], (24..30).collect::<Vec<_>>());
+    let p = PolicySpec::parse("windowkv:group=8")
+        .unwrap()
+        .build()
+        .unwrap();
+    assert_eq!(
+        p.layer_groups(30, 64, 1000)[3],
+        (24..30).collect::<Vec<_>>()
+    );
 
     // arithmetic schedule, R = 100, 30 layers in 4 groups of 8 (the last of
     // 6), β = 14: last = ⌊100·8/14⌋ = 57, first = 200 − 57 = 143, step =
@@ -261,7 +303,10 @@ fn windowkv_keeps_whole_windows_and_shares_them_within_a_group() {
         arithmetic: true,
         beta: 14,
     };
-    let got: Vec<usize> = [0, 7, 8, 16, 24, 29].iter().map(|&l| wk.review_budget(100, l, 30)).collect();
+    let got: Vec<usize> = [0, 7, 8, 16, 24, 29]
+        .iter()
+        .map(|&l| wk.review_budget(100, l, 30))
+        .collect();
     assert_eq!(got, vec![143, 143, 115, 87, 57, 57]);
 }
 
@@ -277,7 +322,10 @@ fn windowkv_keeps_whole_windows_and_shares_them_within_a_group() {
 /// at the decode position 10: 0.
 fn compress_layer(layer: usize) -> LayerData {
     let (p, t) = (10, 12);
-    let w = [[1.0f32, 1.0, 1.0, 9.0, 1.0, 5.0, 1.0, 1.0], [6.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 4.0]];
+    let w = [
+        [1.0f32, 1.0, 1.0, 9.0, 1.0, 5.0, 1.0, 1.0],
+        [6.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 4.0],
+    ];
     let dec = [5, 10];
     let q: Vec<Vec<Vec<f32>>> = (0..2)
         .map(|h| {
@@ -315,14 +363,20 @@ fn compresskv_scores_with_retrieval_heads_and_allocates_by_layer_error() {
     // all its mass on the prompt; step 10 puts (e⁵ + 9)/(e⁵ + 10) (head 0)
     // and 10/(e⁵ + 10) (head 1) there; divided by the 2 steps.
     let e5 = 5f64.exp();
-    for (got, want) in s.srh.iter().zip([(1.0 + (e5 + 9.0) / (e5 + 10.0)) / 2.0, (1.0 + 10.0 / (e5 + 10.0)) / 2.0]) {
+    for (got, want) in s.srh.iter().zip([
+        (1.0 + (e5 + 9.0) / (e5 + 10.0)) / 2.0,
+        (1.0 + 10.0 / (e5 + 10.0)) / 2.0,
+    ]) {
         assert!((got - want).abs() < 1e-6, "{:?}", s.srh);
     }
     let kept = |spec: &str, b: usize| prefill(spec, &data, b)[0].positions();
     let base = "compresskv:w=2,kernel=1,alloc=uniform";
     // heads=1 → head 0 scores: top 2 of A0 on 0..7 are 3 (.9) and 5 (.5), + window {8, 9}
     assert_eq!(kept(&format!("{base},heads=1"), 4), vec![3, 5, 8, 9]);
-    assert_eq!(kept(&format!("{base},heads=1,score=srh"), 4), vec![3, 5, 8, 9]);
+    assert_eq!(
+        kept(&format!("{base},heads=1,score=srh"), 4),
+        vec![3, 5, 8, 9]
+    );
     // heads=2 → mean of A0, A1: 0 → .425, 3 → .5125, 5 → .3125, 7 → .3: {0, 3}
     assert_eq!(kept(&format!("{base},heads=2"), 4), vec![0, 3, 8, 9]);
     // B ≤ w: the last B; B ≥ P: everything
@@ -337,7 +391,14 @@ fn compresskv_scores_with_retrieval_heads_and_allocates_by_layer_error() {
     //   head 1 row: Σ_K p1 = .125, o_c = .5 at 3 and 5; err² = .375² + 4·.0625²
     //     + .25² + 2·(.5 − .0625)² = .6015625; ‖o‖² = .375² + 6·.0625² + .25² = .2265625
     //   e = √(2·(.0636735 + .6015625)) / (√(2·(.28 + .2265625)) + 1e-5) = 1.1459536
-    let ck = CompressKv { heads: 1, w: 2, kernel: 1, srh: false, span: SpanChoice::Auto, error_alloc: true };
+    let ck = CompressKv {
+        heads: 1,
+        w: 2,
+        kernel: 1,
+        srh: false,
+        span: SpanChoice::Auto,
+        error_alloc: true,
+    };
     let e = ck.layer_error(&ctx, 4);
     assert!((e - 1.145953588200438).abs() < 1e-6, "{e}");
 
@@ -348,13 +409,21 @@ fn compresskv_scores_with_retrieval_heads_and_allocates_by_layer_error() {
     // [.9, .05, .05], max 150: 227 clipped to 150, 36, 36 (sum 222); the 78
     // missing go one at a time to the layers below the max, most important
     // first (ties by index): 39 each → 150, 75, 75.
-    assert_eq!(allocate(&[0.9, 0.05, 0.05], 300, 25, 150), vec![150, 75, 75]);
+    assert_eq!(
+        allocate(&[0.9, 0.05, 0.05], 300, 25, 150),
+        vec![150, 75, 75]
+    );
 
     // Error-aware budgets through the group: two copies of the layer have
     // equal errors, so equal importance → B each.
     let (l0, l1) = (compress_layer(0), compress_layer(1));
-    let policy = PolicySpec::parse("compresskv:w=2,kernel=1,heads=1").unwrap().build().unwrap();
+    let policy = PolicySpec::parse("compresskv:w=2,kernel=1,heads=1")
+        .unwrap()
+        .build()
+        .unwrap();
     assert_eq!(policy.layer_groups(2, 4, 10), vec![vec![0, 1]]);
-    let (caches, _) = policy.prefill_group(&[PrefillCtx::new(&l0, 4), PrefillCtx::new(&l1, 4)]).unwrap();
+    let (caches, _) = policy
+        .prefill_group(&[PrefillCtx::new(&l0, 4), PrefillCtx::new(&l1, 4)])
+        .unwrap();
     assert_eq!(caches[1][0].positions(), vec![3, 5, 8, 9]);
 }

@@ -181,7 +181,16 @@ impl CompressKv {
             score.iter_mut().zip(pooled).for_each(|(x, y)| *x += y);
         }
         score.iter_mut().for_each(|x| *x /= heads.len() as f32);
-        keep_positions(p, Protect { sinks: 0, recent: w }, &score, b - w, Tie::KeepLater)
+        keep_positions(
+            p,
+            Protect {
+                sinks: 0,
+                recent: w,
+            },
+            &score,
+            b - w,
+            Tie::KeepLater,
+        )
     }
 
     /// The layer's eviction error at uniform budget `b` (see the module doc).
@@ -197,14 +206,18 @@ impl CompressKv {
                 let mut full = vec![0f64; d];
                 for (j, pj) in row.iter().enumerate() {
                     let v = ctx.value(g, j);
-                    full.iter_mut().zip(v).for_each(|(o, x)| *o += *pj as f64 * *x as f64);
+                    full.iter_mut()
+                        .zip(v)
+                        .for_each(|(o, x)| *o += *pj as f64 * *x as f64);
                 }
                 let mut comp = vec![0f64; d];
                 let mut z = 0f64;
                 for &j in &keep {
                     let pj = row[j] as f64;
                     z += pj;
-                    comp.iter_mut().zip(ctx.value(g, j)).for_each(|(o, x)| *o += pj * *x as f64);
+                    comp.iter_mut()
+                        .zip(ctx.value(g, j))
+                        .for_each(|(o, x)| *o += pj * *x as f64);
                 }
                 for (c, f) in comp.iter().zip(&full) {
                     let c = c / z;
@@ -224,7 +237,7 @@ impl CompressKv {
         }
         let errs: Vec<f64> = ctxs.iter().map(|c| self.layer_error(c, b)).collect();
         let tot: f64 = errs.iter().sum();
-        if !(tot > 0.0) {
+        if tot.is_nan() || tot <= 0.0 {
             return vec![b; ctxs.len()];
         }
         let imp: Vec<f64> = errs.iter().map(|e| e / tot).collect();
@@ -268,7 +281,9 @@ impl Policy for CompressKv {
             .zip(&budgets)
             .map(|(c, &b)| {
                 let keep = self.keep(c, b.max(1));
-                (0..c.n_kv_heads()).map(|g| c.exact_cache(g, &keep)).collect()
+                (0..c.n_kv_heads())
+                    .map(|g| c.exact_cache(g, &keep))
+                    .collect()
             })
             .collect();
         let states = ctxs

@@ -201,7 +201,11 @@ impl HeadSplit {
         Ok(HeadSplit {
             name: p.policy,
             frac: p.float_in("frac", 0.0, 1.0)?,
-            echo_frac: if razor { p.float_in("echo_frac", 0.0, 1.0)? } else { 0.0 },
+            echo_frac: if razor {
+                p.float_in("echo_frac", 0.0, 1.0)?
+            } else {
+                0.0
+            },
             n_sink: p.int("n_sink")?,
             scope: p.choice("scope")?,
             span: p.choice("span")?,
@@ -247,10 +251,16 @@ impl HeadSplit {
         let mean = |value: bool| -> Vec<f32> {
             let mut acc = vec![0f64; d];
             for i in dropped.clone() {
-                let row = if value { ctx.value(g, i) } else { ctx.key(g, i) };
+                let row = if value {
+                    ctx.value(g, i)
+                } else {
+                    ctx.key(g, i)
+                };
                 acc.iter_mut().zip(row).for_each(|(a, x)| *a += *x as f64);
             }
-            acc.iter().map(|a| (a / dropped.len() as f64) as f32).collect()
+            acc.iter()
+                .map(|a| (a / dropped.len() as f64) as f32)
+                .collect()
         };
         c.keys.extend(mean(false));
         c.values.extend(mean(true));

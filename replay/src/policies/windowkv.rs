@@ -145,7 +145,10 @@ impl WindowKv {
             let span = i * w..((i + 1) * w).min(len);
             match self.select {
                 Select::Average => {
-                    let tot: f64 = sums.iter().map(|a| a[span.clone()].iter().map(|x| *x as f64).sum::<f64>()).sum();
+                    let tot: f64 = sums
+                        .iter()
+                        .map(|a| a[span.clone()].iter().map(|x| *x as f64).sum::<f64>())
+                        .sum();
                     tot / (sums.len() * span.len()) as f64
                 }
                 Select::Max => {
