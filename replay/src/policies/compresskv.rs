@@ -93,6 +93,13 @@ impl crate::memo::MemoKey for WindowRows {
     type Value = Vec<Vec<f32>>;
 }
 
+/// Memo key: the full-cache outputs (f64) of the window rows, per (head, row).
+#[derive(Debug, PartialEq)]
+struct FullOutputs(usize);
+impl crate::memo::MemoKey for FullOutputs {
+    type Value = Vec<Vec<f64>>;
+}
+
 /// Layer budgets from per-layer importances (summing to 1): the reference
 /// code's `error_aware_layer_budget_allocation(importance, total, min, max)`.
 pub fn allocate(importance: &[f64], total: usize, min: usize, max: usize) -> Vec<usize> {
@@ -199,17 +206,32 @@ impl CompressKv {
         let keep = self.keep(ctx, b);
         let rows = self.rows(ctx);
         let d = ctx.head_dim();
+        // the full outputs of the window rows: budget-independent
+        let full = ctx.memo(FullOutputs(self.w.min(p)), || {
+            rows.iter()
+                .enumerate()
+                .flat_map(|(h, r)| {
+                    let g = h / ctx.group();
+                    r.chunks_exact(p)
+                        .map(|row| {
+                            let mut o = vec![0f64; d];
+                            for (j, pj) in row.iter().enumerate() {
+                                o.iter_mut()
+                                    .zip(ctx.value(g, j))
+                                    .for_each(|(o, x)| *o += *pj as f64 * *x as f64);
+                            }
+                            o
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        });
         let (mut err, mut norm) = (0f64, 0f64);
+        let per_head = rows.first().map_or(0, |r| r.len() / p);
         for (h, r) in rows.iter().enumerate() {
             let g = h / ctx.group();
-            for row in r.chunks_exact(p) {
-                let mut full = vec![0f64; d];
-                for (j, pj) in row.iter().enumerate() {
-                    let v = ctx.value(g, j);
-                    full.iter_mut()
-                        .zip(v)
-                        .for_each(|(o, x)| *o += *pj as f64 * *x as f64);
-                }
+            for (i, row) in r.chunks_exact(p).enumerate() {
+                let full = &full[h * per_head + i];
                 let mut comp = vec![0f64; d];
                 let mut z = 0f64;
                 for &j in &keep {
@@ -219,7 +241,7 @@ impl CompressKv {
                         .zip(ctx.value(g, j))
                         .for_each(|(o, x)| *o += pj * *x as f64);
                 }
-                for (c, f) in comp.iter().zip(&full) {
+                for (c, f) in comp.iter().zip(full) {
                     let c = c / z;
                     err += (c - f) * (c - f);
                     norm += f * f;
