@@ -32,6 +32,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from reference_quantmeth import QUANTMETH
+from reference_heads import HEADS  # whole-model head-level methods (own replay over entries)
 
 
 def load(trace):
@@ -235,6 +236,8 @@ COMPRESSORS.update(QUANTMETH)
 
 def replay(policy, b, man, layers):
     name, _, opt = policy.partition(":")
+    if name in HEADS:
+        return HEADS[name](b, man, layers, **dict(kv.split("=") for kv in opt.split(",") if kv))
     opts = dict([opt.split("=")]) if opt else {}
     m = man["model"]
     nh, nkv, scale = m["n_heads"], m["n_kv_heads"], m["attn_scale"]

@@ -234,6 +234,14 @@ pub fn load_layer_shared(trace: &Trace, l: usize, all_colsum: &Arc<Vec<Vec<f32>>
         rope: Some(layer_rope(&m.model, l)),
         memo: None,
         backend: Backend::Cpu,
+        tokens: Some(Arc::new(crate::policy::TraceTokens {
+            ids: m.tokens.ids.clone(),
+            spans: m
+                .spans
+                .iter()
+                .map(|s| (s.name.clone(), s.start..s.end))
+                .collect(),
+        })),
     }
 }
 

@@ -52,6 +52,19 @@ pub struct LayerData {
     pub memo: Option<std::sync::Arc<crate::memo::Memo>>,
     /// Where attention is computed.
     pub backend: kvreplay_kernels::Backend,
+    /// The trace's token ids and named prompt spans, for the policies that
+    /// calibrate on the replayed trace itself (retrieval-head probes, read
+    /// through [`PrefillCtx::oracle_tokens`]); None when the layer is replayed
+    /// without its trace.
+    pub tokens: Option<std::sync::Arc<TraceTokens>>,
+}
+
+/// The token ids of a trace (all T: prompt, then the generated continuation)
+/// and its named prompt spans (`needle`, ...), half-open position ranges.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TraceTokens {
+    pub ids: Vec<u32>,
+    pub spans: Vec<(String, Range<usize>)>,
 }
 
 impl LayerData {
@@ -162,6 +175,27 @@ impl<'a> PrefillCtx<'a> {
             "policy asked for query {i} beyond the prompt"
         );
         self.data.q_row(h, i)
+    }
+    /// ORACLE: the trace's token ids (prompt and generated continuation) and
+    /// named spans. A live model does not know its continuation at the end of
+    /// prefill: only policies that calibrate on the replayed trace itself
+    /// (retrieval-head probes, whose papers calibrate on a separate task)
+    /// read it, and their `caps.approximation` says so.
+    pub fn oracle_tokens(&self) -> Option<&TraceTokens> {
+        self.data.tokens.as_deref()
+    }
+    /// ORACLE: the query of query head `h` at any position `t < T`, decode
+    /// positions included (see [`oracle_tokens`](Self::oracle_tokens)).
+    pub fn oracle_query(&self, h: usize, t: usize) -> &[f32] {
+        self.data.q_row(h, t)
+    }
+    /// ORACLE: the key of KV head `g` at any position `t < T`.
+    pub fn oracle_key(&self, g: usize, t: usize) -> &[f32] {
+        self.data.k_row(g, t)
+    }
+    /// T: prompt and decode positions of the trace.
+    pub fn total_len(&self) -> usize {
+        self.data.total_len
     }
     /// Column sums of query head `h` in layer `l` of the same trace: (P,).
     /// None when the layer is replayed without its trace.

@@ -80,6 +80,13 @@ const EXTRA_SPECS: &[&str] = &[
     "knorm:preset=kvpress",
     "streaming_llm:preset=kvpress",
     "h2o:preset=kvpress",
+    "retrieval_head:scope=layer,n_sink=1",
+    "razor:compensate=false,n_sink=2",
+    "razor:scope=layer,frac=0.5,n_sink=1",
+    "windowkv:suffix=2,window=3,group=2",
+    "windowkv:suffix=2,window=2,task=other,schedule=uniform",
+    "compresskv:w=2,heads=2",
+    "compresskv:w=3,alloc=uniform,score=srh,kernel=3",
 ];
 
 fn golden_dir() -> PathBuf {

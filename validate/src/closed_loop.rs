@@ -96,6 +96,7 @@ pub fn prefill(model: &Model, prompt: &[u32], capacity: usize) -> Result<Prefill
             rope: Some(cfg.layer_attention.get(l).map_or(cfg.rope, |a| a.rope)),
             memo: None,
             backend: Backend::Cpu,
+            tokens: None,
         })
         .collect();
     Ok(Prefilled {

@@ -13,6 +13,7 @@ pub mod a2sf;
 pub mod adakv;
 pub mod ahakv;
 pub mod cam;
+pub mod compresskv;
 pub mod cur;
 pub mod d2o;
 pub mod ems;
@@ -32,11 +33,14 @@ pub mod observed_attention;
 pub mod pyramidkv;
 pub mod quant;
 pub mod random;
+pub mod razor;
+pub mod retrieval_head;
 pub mod scissorhands;
 pub mod sliding;
 pub mod snapkv;
 pub mod streaming_llm;
 pub mod tova;
+pub mod windowkv;
 pub mod zipcache;
 
 /// Every policy, in the order `kvreplay policies` lists them.
@@ -70,6 +74,10 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &zipcache::INFO,
     &gear::INFO,
     &kvquant::INFO,
+    &retrieval_head::INFO,
+    &razor::INFO,
+    &windowkv::INFO,
+    &compresskv::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {

@@ -63,6 +63,7 @@ pub fn simple_layer(
         rope: None,
         memo: None,
         backend: Default::default(),
+        tokens: None,
     }
 }
 
@@ -114,6 +115,7 @@ pub fn random_layer(seed: u64, nh: usize, nkv: usize, d: usize, p: usize, t: usi
         rope: None,
         memo: None,
         backend: Default::default(),
+        tokens: None,
     }
 }
 
@@ -282,6 +284,7 @@ pub fn explicit_layer(
         rope: None,
         memo: None,
         backend: Default::default(),
+        tokens: None,
     }
 }
 
