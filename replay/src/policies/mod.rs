@@ -12,13 +12,19 @@ pub use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 pub mod a2sf;
 pub mod adakv;
 pub mod ahakv;
+pub mod block;
 pub mod cam;
+pub mod chunk;
+pub mod chunkkv;
+pub mod criticaladakv;
+pub mod criticalkv;
 pub mod cur;
 pub mod d2o;
 pub mod ems;
 pub mod full;
 pub mod h2o;
 pub mod keydiff;
+pub mod keyrerotation;
 pub mod knorm;
 pub mod kvmerger;
 pub mod lagkv;
@@ -60,6 +66,12 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &a2sf::INFO,
     &leverage::INFO,
     &cur::INFO,
+    &chunkkv::INFO,
+    &chunk::INFO,
+    &block::INFO,
+    &criticalkv::INFO,
+    &criticaladakv::INFO,
+    &keyrerotation::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {
