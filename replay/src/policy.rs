@@ -160,8 +160,10 @@ impl<'a> PrefillCtx<'a> {
         }
     }
 
-    /// The view of a [`restricted`](Self::restricted) layer, budget `budget`:
-    /// its column sums are computed from its own attention when first asked.
+    /// The view of a [`restricted`](Self::restricted) layer (or of any layer
+    /// a policy builds without column sums), budget `budget`: its column
+    /// sums are computed from its own attention, over the query rows it
+    /// holds, when first asked.
     pub fn of_restricted(data: &'a LayerData, budget: usize) -> Self {
         PrefillCtx {
             data,
@@ -212,6 +214,11 @@ impl<'a> PrefillCtx<'a> {
     pub fn scale(&self) -> f32 {
         self.data.scale
     }
+    /// Where attention is computed (for views a policy builds later, e.g.
+    /// of its decode-time caches).
+    pub fn backend(&self) -> kvreplay_kernels::Backend {
+        self.data.backend.clone()
+    }
     /// The model's rotary embedding, when the trace records it.
     pub fn rope(&self) -> Option<kvreplay_kernels::cpu::RopeParams> {
         self.data.rope
@@ -252,8 +259,10 @@ impl<'a> PrefillCtx<'a> {
         let p = self.data.prompt_len;
         match &self.lazy_colsum {
             Some(lazy) => lazy[h].get_or_init(|| {
-                // summed in f64 over the causal rows, as the capture sums them
-                let rows = self.attn_rows(h, 0..p);
+                // summed in f64 over the causal rows the view holds (every
+                // row of a prompt view; the buffered queries of a decode
+                // view), as the capture sums them
+                let rows = self.attn_rows(h, self.data.q_start.min(p)..p);
                 let mut s = vec![0f64; p];
                 for row in rows.chunks_exact(p.max(1)) {
                     s.iter_mut().zip(row).for_each(|(a, x)| *a += *x as f64);

@@ -295,10 +295,8 @@ fn keyrerotation_moves_kept_keys_to_consecutive_positions() {
     let mut data = simple_layer(&[vec![0.0; 6]], 1, 6, 0, 1);
     for (p, x) in r.iter().enumerate() {
         let a = p as f64;
-        data.k[2 * p..2 * p + 2].copy_from_slice(&[
-            (*x as f64 * a.cos()) as f32,
-            (*x as f64 * a.sin()) as f32,
-        ]);
+        data.k[2 * p..2 * p + 2]
+            .copy_from_slice(&[(*x as f64 * a.cos()) as f32, (*x as f64 * a.sin()) as f32]);
     }
     data.rope = Some(RopeParams {
         theta: 10000.0,
@@ -313,7 +311,10 @@ fn keyrerotation_moves_kept_keys_to_consecutive_positions() {
         let want = [x * (e as f64).cos(), x * (e as f64).sin()];
         for (got, want) in c.key(e).iter().zip(want) {
             // two f32 rotations of an f32 key: a few ulps of |k| <= 3
-            assert!((*got as f64 - want).abs() < 1e-5, "entry {e}: {got} vs {want}");
+            assert!(
+                (*got as f64 - want).abs() < 1e-5,
+                "entry {e}: {got} vs {want}"
+            );
         }
         assert_eq!(c.value(e), &[[0.0, 2.0, 4.0][e], 1.0]);
     }
@@ -327,4 +328,111 @@ fn keyrerotation_moves_kept_keys_to_consecutive_positions() {
         .build()
         .unwrap();
     assert!(p.prefill(&PrefillCtx::new(&data, 3)).is_err());
+}
+
+/// Kept positions per step (after prefill, then after each decode step) of
+/// the single cache of `data`.
+fn steps(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<usize>> {
+    common::run_steps(spec, data, budget)
+        .iter()
+        .map(|c| c[0].positions())
+        .collect()
+}
+
+#[test]
+fn decoding_compresses_every_interval_with_the_buffered_queries() {
+    // One KV head, keys (s_i, 0), P = 4, four decode steps, layer 2 of 3
+    // (KNorm's default skips layers 0 and 1).
+    //   |s|: 5 1 4 2 | 3 .5 6 .1
+    // KNorm keeps the smallest |s|. Interval 2, B = 3: the prompt is kept
+    // whole; after step 5 the cache {0..5} is cut to {5 (.5), 1 (1), 3 (2)};
+    // step 6 appends; after step 7 {1,3,5,6,7} is cut to {7, 5, 1}.
+    let s = vec![vec![5.0, 1.0, 4.0, 2.0, 3.0, 0.5, 6.0, 0.1]];
+    let data = simple_layer(&s, 1, 4, 2, 3);
+    let want: Vec<Vec<usize>> = vec![
+        vec![0, 1, 2, 3],
+        vec![0, 1, 2, 3, 4],
+        vec![1, 3, 5],
+        vec![1, 3, 5, 6],
+        vec![1, 5, 7],
+    ];
+    assert_eq!(
+        steps("decoding:scorer=knorm,compression_interval=2", &data, 3),
+        want
+    );
+    // kvpress's default interval (512 steps): nothing happens in four
+    assert_eq!(
+        steps("decoding:scorer=knorm", &data, 3)[4],
+        (0..8).collect::<Vec<_>>()
+    );
+    // target_size overrides B: after step 5 the 4 smallest of {0..5}
+    assert_eq!(
+        steps(
+            "decoding:scorer=knorm,compression_interval=2,target_size=4",
+            &data,
+            3
+        )[2],
+        vec![1, 3, 4, 5]
+    );
+    // a layer the scorer skips is never compressed
+    let layer0 = simple_layer(&s, 1, 4, 0, 3);
+    assert_eq!(
+        steps("decoding:scorer=knorm,compression_interval=2", &layer0, 3)[4],
+        (0..8).collect::<Vec<_>>()
+    );
+    // A scorer that reads queries reads the buffered ones: TOVA scores by
+    // the newest query's attention, every query (1, 0), so logit = s: the
+    // largest s are kept. After step 5: {0 (5), 2 (4), 4 (3)}; after step
+    // 7, of {0,2,4,6,7}: {6 (6), 0 (5), 2 (4)}.
+    let s = vec![vec![5.0, 1.0, 4.0, 2.0, 3.0, 0.5, 6.0, 0.1]];
+    let data = simple_layer(&s, 2, 4, 0, 1);
+    let got = steps("decoding:scorer=tova,compression_interval=2", &data, 3);
+    assert_eq!((&got[2], &got[4]), (&vec![0, 2, 4], &vec![0, 2, 6]));
+    // a compression holds min(interval, buffer + 1) queries: a scorer that
+    // reads more is refused when the spec is built
+    for bad in [
+        "decoding:scorer=snapkv,hidden_states_buffer_size=8",
+        "decoding:scorer=snapkv,compression_interval=16",
+        "decoding:compression_interval=0",
+        "decoding:target_size=0",
+    ] {
+        assert!(
+            PolicySpec::parse(bad).and_then(|p| p.build()).is_err(),
+            "{bad}"
+        );
+    }
+}
+
+#[test]
+fn prefilldecoding_selects_at_prefill_and_compresses_during_decode() {
+    // The decoding test's layer: KNorm at prefill keeps the three smallest
+    // |s| of the prompt 5 1 4 2: {1, 2, 3}; step 4 appends; after step 5
+    // {1,2,3,4,5} is cut to {5, 1, 3}; step 6 appends; after step 7
+    // {1,3,5,6,7} is cut to {7, 5, 1}.
+    let s = vec![vec![5.0, 1.0, 4.0, 2.0, 3.0, 0.5, 6.0, 0.1]];
+    let data = simple_layer(&s, 1, 4, 2, 3);
+    let spec = "prefilldecoding:scorer=knorm,compression_interval=2";
+    let want: Vec<Vec<usize>> = vec![
+        vec![1, 2, 3],
+        vec![1, 2, 3, 4],
+        vec![1, 3, 5],
+        vec![1, 3, 5, 6],
+        vec![1, 5, 7],
+    ];
+    assert_eq!(steps(spec, &data, 3), want);
+    // the same as composing KNorm at prefill with `+decoding`
+    assert_eq!(
+        steps(
+            "knorm+decoding:scorer=knorm,compression_interval=2",
+            &data,
+            3
+        ),
+        want
+    );
+    // the scorer's parameters reach both phases: skip_layers=2 leaves the
+    // layer whole at prefill and during decode
+    assert_eq!(
+        steps(&format!("{spec},skip_layers=2"), &data, 3)[4],
+        (0..8).collect::<Vec<_>>()
+    );
 }

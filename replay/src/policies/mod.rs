@@ -20,6 +20,7 @@ pub mod criticaladakv;
 pub mod criticalkv;
 pub mod cur;
 pub mod d2o;
+pub mod decoding;
 pub mod ems;
 pub mod full;
 pub mod h2o;
@@ -31,6 +32,7 @@ pub mod lagkv;
 pub mod leverage;
 pub mod minicache;
 pub mod observed_attention;
+pub mod prefilldecoding;
 pub mod pyramidkv;
 pub mod quant;
 pub mod random;
@@ -72,6 +74,8 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &criticalkv::INFO,
     &criticaladakv::INFO,
     &keyrerotation::INFO,
+    &decoding::INFO,
+    &prefilldecoding::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {
