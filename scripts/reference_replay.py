@@ -226,10 +226,16 @@ def leverage_keep(kg, p, b, layer, g, rope, **opts):
 PRESSES = {"observed_attention": observed_attention_keep, "keydiff": keydiff_keep, "lagkv": lagkv_keep,
            "cur": cur_keep, "leverage": leverage_keep}
 
+from reference_wrappers import REPLAYS, WRAPPERS  # noqa: E402  (the kvpress wrapper presses)
+
+PRESSES.update(WRAPPERS)
+
 
 def replay(policy, b, man, layers):
     name, _, opt = policy.partition(":")
-    opts = dict([opt.split("=")]) if opt else {}
+    if name in REPLAYS:
+        return REPLAYS[name](policy, b, man, layers)
+    opts = dict(o.split("=") for o in opt.split(",")) if opt else {}
     m = man["model"]
     nh, nkv, scale = m["n_heads"], m["n_kv_heads"], m["attn_scale"]
     group = nh // nkv
@@ -281,7 +287,8 @@ def replay(policy, b, man, layers):
                     kept = causal
                 else:
                     keep = PRESSES[name](kg=k[g], vg=v[g], colsum=colsum, heads=heads, p=p, b=b,
-                                         layer=li, g=g, rope=m.get("rope"), **opts)
+                                         layer=li, g=g, rope=m.get("rope"), q=q, k_all=k, v_all=v,
+                                         scale=scale, **opts)
                     prompt_kept = np.zeros(t_all, bool)
                     prompt_kept[keep] = True
                     prompt_kept[p:] = True
@@ -350,7 +357,8 @@ def main():
     man, layers = load(a.trace)
     load_s = time.perf_counter() - t0
     points = []
-    for pol in a.policies.split(","):
+    # `;` separates policies whose options are `,`-separated (`block:scorer=snapkv,w=8`)
+    for pol in a.policies.split(";" if ";" in a.policies else ","):
         for b in [int(x) for x in a.budgets.split(",")]:
             t1 = time.perf_counter()
             rel, cos, mass, kl = replay(pol, b, man, layers)

@@ -80,6 +80,14 @@ const EXTRA_SPECS: &[&str] = &[
     "knorm:preset=kvpress",
     "streaming_llm:preset=kvpress",
     "h2o:preset=kvpress",
+    "chunkkv:w=3,chunk_length=3",
+    "chunk:w=2,chunk_length=8",
+    "block:scorer=snapkv,w=3,block_size=4",
+    "criticalkv:w=3",
+    "criticaladakv:w=3,alpha=0.5",
+    "snapkv:w=3+keyrerotation",
+    "h2o:recent=2+decoding:scorer=tova,compression_interval=2",
+    "prefilldecoding:w=3,compression_interval=3",
 ];
 
 fn golden_dir() -> PathBuf {

@@ -142,7 +142,7 @@ impl Policy for Critical {
         }
         let prot = s.protect(b)?;
         let scores: Vec<Vec<f32>> = units.iter().map(|u| s.score(ctx, u)).collect();
-        if scores.iter().any(|v| v.len() < p - prot.recent) {
+        if b > prot.total() && scores.iter().any(|v| v.len() < p - prot.recent) {
             return Err(ReplayError::Contract {
                 policy: self.name(),
                 msg: "its scorer returned fewer scores than the positions it must score".into(),
@@ -150,6 +150,8 @@ impl Policy for Critical {
         }
         // per cache: its entries (protected included), and its stage-1 count
         let counts: Vec<(usize, usize)> = match self.ada {
+            // only the protected positions fit: nothing to select
+            _ if b <= prot.total() => vec![(b, b); units.len()],
             None => {
                 let first = (b as f64 * self.stage.first_stage_ratio).floor() as usize;
                 vec![(b, first); units.len()]
