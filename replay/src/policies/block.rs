@@ -135,10 +135,9 @@ impl Scorer for Block {
         if b == 0 || b >= p {
             return self.inner.score(ctx, u);
         }
-        let prot = match self.inner.protect(b) {
-            Ok(x) => x,
-            Err(_) => Protect::default(),
-        };
+        // the shared selection asked `protect(b)` before scoring and
+        // stopped on an error, so this is the same Ok value
+        let prot = self.inner.protect(b).unwrap_or_default();
         block_order(p, b, self.block, self.inner.tie(), |set| {
             let sub = ctx.restricted(set);
             let sctx = PrefillCtx::of_restricted(&sub, b);

@@ -157,15 +157,19 @@ pub struct Decoding {
 }
 
 impl Decoding {
-    fn state(&self, ctx: &PrefillCtx) -> Box<dyn DecodeState> {
-        Box::new(Compress {
+    fn state(&self, ctx: &PrefillCtx) -> Result<Box<dyn DecodeState>, ReplayError> {
+        let target = self.cfg.target.unwrap_or(ctx.budget).max(1);
+        Ok(Box::new(Compress {
             scorer: self.scorer.clone(),
             cfg: self.cfg,
-            target: self.cfg.target.unwrap_or(ctx.budget).max(1),
+            target,
+            // what the scorer protects at the target, checked here (a
+            // decode step cannot report an error)
+            prot: self.scorer.protect(target)?,
             view: DecodeView::of(ctx),
             steps: 0,
             queries: Vec::new(),
-        })
+        }))
     }
 }
 
@@ -184,7 +188,7 @@ impl Policy for Decoding {
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
         let (caches, _) = self.base.prefill(ctx)?;
-        Ok((caches, self.state(ctx)))
+        Ok((caches, self.state(ctx)?))
     }
     fn layer_groups(&self, n_layers: usize, budget: usize, prompt_len: usize) -> Vec<Vec<usize>> {
         self.base.layer_groups(n_layers, budget, prompt_len)
@@ -194,7 +198,10 @@ impl Policy for Decoding {
         ctxs: &[PrefillCtx],
     ) -> Result<(Vec<Vec<HeadCache>>, Box<dyn GroupDecodeState>), ReplayError> {
         let (caches, _) = self.base.prefill_group(ctxs)?;
-        let states = ctxs.iter().map(|c| self.state(c)).collect();
+        let states = ctxs
+            .iter()
+            .map(|c| self.state(c))
+            .collect::<Result<_, _>>()?;
         Ok((caches, Box::new(PerLayer(states))))
     }
 }
@@ -272,6 +279,7 @@ pub struct Compress {
     scorer: Arc<dyn Scorer>,
     cfg: Interval,
     target: usize,
+    prot: crate::select::Protect,
     view: DecodeView,
     steps: usize,
     /// Per buffered step, per query head, its query (d,).
@@ -281,13 +289,9 @@ pub struct Compress {
 impl Compress {
     /// Cut `caches` back to the target by the scorer.
     fn compress(&self, caches: &mut [HeadCache]) {
-        let s = &*self.scorer;
         let nc = caches.len();
         let gq = self.view.n_heads / nc.max(1);
-        let prot = match s.protect(self.target) {
-            Ok(x) => x,
-            Err(_) => return,
-        };
+        let prot = self.prot;
         let equal = caches.iter().all(|c| c.len() == caches[0].len());
         // one view of the layer when the caches are equally long; else one
         // view per cache (its query heads only)
