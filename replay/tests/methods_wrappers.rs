@@ -117,6 +117,12 @@ fn chunkkv_keeps_whole_chunks_by_their_mean_summed_score() {
     assert_eq!(kept(spec, &flat, 8), vec![(3..10).collect::<Vec<_>>()]);
     // B >= P: everything
     assert_eq!(kept(spec, &flat, 10), vec![(0..10).collect::<Vec<_>>()]);
+    // no complete chunk (P = 10 < L = 12): the scorer's own selection
+    let spec = "chunkkv:scorer=knorm,skip_layers=none,chunk_length=12";
+    assert_eq!(
+        kept(spec, &data, 5),
+        kept("knorm:skip_layers=none", &data, 5)
+    );
 }
 
 #[test]

@@ -10,6 +10,9 @@
 //! k = max(1, ⌊n_chunks·B/P⌋), in exact arithmetic), the k best by chunk score, the same positions in
 //! every cache. Prefill only.
 //!
+//! A prompt shorter than one chunk is left to the scorer's own selection
+//! (kvpress delegates to the scorer press when there is no complete chunk).
+//!
 //! Our choices where kvreplay's budget is stricter than kvpress's rounding
 //! (⌊n_chunks·B/P⌋ whole chunks can hold more than B positions): the
 //! scorer's protected positions (its window) are kept inside B as every
@@ -94,6 +97,13 @@ impl Policy for ChunkKv {
             return Ok((caches, Box::new(AppendOnly)));
         }
         let prot = s.protect(b)?;
+        if p < self.chunk {
+            // no complete chunk: kvpress delegates to the scorer's own selection
+            // (its prefill selection: chunkkv is prefill-only)
+            let (caches, _) =
+                crate::scorer::TopK::new("chunkkv", self.scorer.clone()).prefill(ctx)?;
+            return Ok((caches, Box::new(AppendOnly)));
+        }
         let (sinks, recent) = (prot.sinks, prot.recent);
         let protected = |i: usize| i < sinks || i >= p - recent;
         // (units, P): scores summed over the caches; protected positions
