@@ -233,12 +233,18 @@ PRESSES = {"observed_attention": observed_attention_keep, "keydiff": keydiff_kee
 COMPRESSORS = {}
 COMPRESSORS.update(QUANTMETH)
 
+from reference_wrappers import REPLAYS, WRAPPERS  # noqa: E402  (the kvpress wrapper presses)
+
+PRESSES.update(WRAPPERS)
+
 
 def replay(policy, b, man, layers):
     name, _, opt = policy.partition(":")
     if name in HEADS:
         return HEADS[name](b, man, layers, **dict(kv.split("=") for kv in opt.split(",") if kv))
-    opts = dict([opt.split("=")]) if opt else {}
+    if name in REPLAYS:
+        return REPLAYS[name](policy, b, man, layers)
+    opts = dict(o.split("=") for o in opt.split(",")) if opt else {}
     m = man["model"]
     nh, nkv, scale = m["n_heads"], m["n_kv_heads"], m["attn_scale"]
     group = nh // nkv
@@ -290,7 +296,8 @@ def replay(policy, b, man, layers):
                     kept = causal
                 else:
                     keep = PRESSES[name](kg=k[g], vg=v[g], colsum=colsum, heads=heads, p=p, b=b,
-                                         layer=li, g=g, rope=m.get("rope"), **opts)
+                                         layer=li, g=g, rope=m.get("rope"), q=q, k_all=k, v_all=v,
+                                         scale=scale, **opts)
                     prompt_kept = np.zeros(t_all, bool)
                     prompt_kept[keep] = True
                     prompt_kept[p:] = True
@@ -365,7 +372,8 @@ def main():
     man, layers = load(a.trace)
     load_s = time.perf_counter() - t0
     points = []
-    for pol in a.policies.split(","):
+    # `;` separates policies whose options are `,`-separated (`block:scorer=snapkv,w=8`)
+    for pol in a.policies.split(";" if ";" in a.policies else ","):
         for b in [int(x) for x in a.budgets.split(",")]:
             t1 = time.perf_counter()
             rel, cos, mass, kl = replay(pol, b, man, layers)

@@ -93,10 +93,21 @@ const POLICY: &[(&str, Cost)] = &[
     ("a2sf", c(0, 590_000)),
     ("leverage", c(0, 702_000)),
     ("cur", c(0, 359_000)),
+    // kvpress wrapper presses, from one 2-thread sweep of 3 budgets on a
+    // 4,135-token SmolLM2 trace beside other jobs (not measured alone):
+    // `chunk` rescores every chunk per budget (no memo in a chunk's view),
+    // about AhaKV's time; chunkkv, block, criticalkv, criticaladakv and
+    // prefilldecoding cost about SnapKV's (the default)
+    ("chunk", c(325, 610_000)),
 ];
 
 /// What a wrapper adds to the policy it wraps, per head.
-const WRAPPER: &[(&str, Cost)] = &[("quant", c(0, 93_000))];
+const WRAPPER: &[(&str, Cost)] = &[
+    ("quant", c(0, 93_000)),
+    // `decoding` keeps the whole prompt until its first compression (every
+    // 512 steps by default): a point costs about `full`'s (same sweep as `chunk`)
+    ("decoding", c(540, 0)),
+];
 
 /// A trace's budget-independent work per head, once per shard that runs any of its points.
 const SETUP: Cost = c(723, 544_000);

@@ -100,12 +100,91 @@ pub struct PrefillCtx<'a> {
     data: &'a LayerData,
     /// B: entries to keep per KV head (the policy may redistribute it).
     pub budget: usize,
+    /// Per query head, column sums computed on first use: set for a
+    /// [`restricted`](Self::restricted) view, whose data holds none.
+    lazy_colsum: Option<Vec<std::sync::OnceLock<Vec<f32>>>>,
 }
 
 impl<'a> PrefillCtx<'a> {
     /// Built by the engine; public so tests and embedders can drive a policy directly.
     pub fn new(data: &'a LayerData, budget: usize) -> Self {
-        PrefillCtx { data, budget }
+        PrefillCtx {
+            data,
+            budget,
+            lazy_colsum: None,
+        }
+    }
+
+    /// The prompt restricted to `positions` (ascending, < P), as a layer of
+    /// its own whose prompt is those positions in order: (n_heads, n, d)
+    /// queries and (n_kv_heads, n, d) keys and values gathered from the
+    /// trace (post-RoPE, at their original positions), no decode positions.
+    /// A scorer sees it through [`PrefillCtx::of_restricted`]: attention
+    /// rows are causal over the subset's order, column sums are those of the
+    /// subset's own attention (computed when first asked), and nothing is
+    /// shared with the full layer: no memo (a memoised full-prompt result
+    /// would be wrong here), no RoPE parameters (a position there is an index
+    /// into the subset, not a position of the model), no cross-layer column
+    /// sums, no sliding window. Queries are held from the first position
+    /// the trace holds (a wrapper whose scorer reads queries declares
+    /// `prompt_queries` = P).
+    pub fn restricted(&self, positions: &[usize]) -> LayerData {
+        let x = self.data;
+        let n = positions.len();
+        debug_assert!(positions.windows(2).all(|w| w[0] < w[1]));
+        // a lean trace holds the queries from q_start on: so does the view
+        let q_start = positions.partition_point(|&i| i < x.q_start);
+        let mut q = Vec::with_capacity(x.n_heads * (n - q_start) * x.d);
+        for h in 0..x.n_heads {
+            for &i in &positions[q_start..] {
+                q.extend_from_slice(self.query(h, i));
+            }
+        }
+        let gather = |row: &dyn Fn(usize, usize) -> &'a [f32]| {
+            let mut out = Vec::with_capacity(x.n_kv_heads * n * x.d);
+            for g in 0..x.n_kv_heads {
+                for &i in positions {
+                    out.extend_from_slice(row(g, i));
+                }
+            }
+            out
+        };
+        let k = gather(&|g, i| x.k_row(g, i));
+        let v = gather(&|g, i| x.v_row(g, i));
+        LayerData {
+            layer: x.layer,
+            n_layers: x.n_layers,
+            n_heads: x.n_heads,
+            n_kv_heads: x.n_kv_heads,
+            d: x.d,
+            scale: x.scale,
+            prompt_len: n,
+            total_len: n,
+            q_start,
+            q,
+            k,
+            v,
+            colsum: Vec::new(),
+            window: None,
+            all_colsum: None,
+            rope: None,
+            memo: None,
+            backend: x.backend.clone(),
+            // positions are renumbered: the trace's token ids do not apply
+            tokens: None,
+        }
+    }
+
+    /// The view of a [`restricted`](Self::restricted) layer (or of any layer
+    /// a policy builds without column sums), budget `budget`: its column
+    /// sums are computed from its own attention, over the query rows it
+    /// holds, when first asked.
+    pub fn of_restricted(data: &'a LayerData, budget: usize) -> Self {
+        PrefillCtx {
+            data,
+            budget,
+            lazy_colsum: Some((0..data.n_heads).map(|_| Default::default()).collect()),
+        }
     }
     pub fn layer(&self) -> usize {
         self.data.layer
@@ -149,6 +228,11 @@ impl<'a> PrefillCtx<'a> {
     /// Softmax scale of the model's logits.
     pub fn scale(&self) -> f32 {
         self.data.scale
+    }
+    /// Where attention is computed (for views a policy builds later, e.g.
+    /// of its decode-time caches).
+    pub fn backend(&self) -> kvreplay_kernels::Backend {
+        self.data.backend.clone()
     }
     /// The model's rotary embedding, when the trace records it.
     pub fn rope(&self) -> Option<kvreplay_kernels::cpu::RopeParams> {
@@ -209,7 +293,20 @@ impl<'a> PrefillCtx<'a> {
     /// Attention each prompt key received from all prompt queries of query head `h`: (P,).
     pub fn colsum(&self, h: usize) -> &[f32] {
         let p = self.data.prompt_len;
-        &self.data.colsum[h * p..(h + 1) * p]
+        match &self.lazy_colsum {
+            Some(lazy) => lazy[h].get_or_init(|| {
+                // summed in f64 over the causal rows the view holds (every
+                // row of a prompt view; the buffered queries of a decode
+                // view), as the capture sums them
+                let rows = self.attn_rows(h, self.data.q_start.min(p)..p);
+                let mut s = vec![0f64; p];
+                for row in rows.chunks_exact(p.max(1)) {
+                    s.iter_mut().zip(row).for_each(|(a, x)| *a += *x as f64);
+                }
+                s.into_iter().map(|x| x as f32).collect()
+            }),
+            None => &self.data.colsum[h * p..(h + 1) * p],
+        }
     }
     /// Causal attention rows of prompt queries `rows` (within 0..P) of query head
     /// `h` over the prompt keys: (rows.len(), P), zero above the diagonal;

@@ -87,6 +87,14 @@ const EXTRA_SPECS: &[&str] = &[
     "windowkv:suffix=2,window=2,task=other,schedule=uniform",
     "compresskv:w=2,heads=2",
     "compresskv:w=3,alloc=uniform,score=srh,kernel=3",
+    "chunkkv:w=3,chunk_length=3",
+    "chunk:w=2,chunk_length=8",
+    "block:scorer=snapkv,w=3,block_size=4",
+    "criticalkv:w=3",
+    "criticaladakv:w=3,alpha=0.5",
+    "snapkv:w=3+keyrerotation",
+    "h2o:recent=2+decoding:scorer=tova,compression_interval=2",
+    "prefilldecoding:w=3,compression_interval=3",
 ];
 
 fn golden_dir() -> PathBuf {

@@ -82,40 +82,20 @@ impl Scorer for KeyDiff {
     fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
         let p = ctx.prompt_len();
         let g = u.kv_head;
-        let all: Vec<usize> = (0..p).collect();
         let (block, b) = match self.block {
             Some(block) if ctx.budget > 0 && ctx.budget < p => (block, ctx.budget),
             _ => {
+                let all: Vec<usize> = (0..p).collect();
                 return keydiff_scores(ctx, g, &all)
                     .iter()
                     .map(|&s| s as f32)
-                    .collect()
+                    .collect();
             }
         };
-        let mut order: Vec<usize> = Vec::with_capacity(p);
-        let mut kept: Vec<usize> = (0..b).collect();
-        let mut last: Vec<usize> = kept.clone();
-        let mut start = b;
-        while start < p {
-            let mut cur = kept.clone();
-            cur.extend(start..(start + block).min(p));
-            let s = keydiff_scores(ctx, g, &cur);
-            // ascending (score, position): the last B are the top B with the
-            // later position kept on ties
-            let mut idx: Vec<usize> = (0..cur.len()).collect();
-            idx.sort_by(|&x, &y| s[x].total_cmp(&s[y]).then(cur[x].cmp(&cur[y])));
-            let cut = cur.len() - b;
-            order.extend(idx[..cut].iter().map(|&x| cur[x]));
-            last = idx[cut..].iter().map(|&x| cur[x]).collect();
-            kept = last.clone();
-            kept.sort_unstable();
-            start += block;
-        }
-        order.extend(last);
-        let mut score = vec![0f32; p];
-        for (rank, &i) in order.iter().enumerate() {
-            score[i] = rank as f32;
-        }
-        score
+        // the shared block process (kvpress BlockPress), scored by the
+        // anchor of what the cache holds
+        crate::policies::block::block_order(p, b, block, crate::select::Tie::KeepLater, |set| {
+            keydiff_scores(ctx, g, set)
+        })
     }
 }

@@ -12,15 +12,22 @@ pub use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 pub mod a2sf;
 pub mod adakv;
 pub mod ahakv;
+pub mod block;
 pub mod cam;
+pub mod chunk;
+pub mod chunkkv;
 pub mod compresskv;
+pub mod criticaladakv;
+pub mod criticalkv;
 pub mod cur;
 pub mod d2o;
+pub mod decoding;
 pub mod ems;
 pub mod full;
 pub mod gear;
 pub mod h2o;
 pub mod keydiff;
+pub mod keyrerotation;
 pub mod knorm;
 pub mod kvmerger;
 pub mod kvquant;
@@ -30,6 +37,7 @@ pub mod mikv;
 pub mod minicache;
 pub mod mustafar;
 pub mod observed_attention;
+pub mod prefilldecoding;
 pub mod pyramidkv;
 pub mod quant;
 pub mod random;
@@ -78,6 +86,14 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &razor::INFO,
     &windowkv::INFO,
     &compresskv::INFO,
+    &chunkkv::INFO,
+    &chunk::INFO,
+    &block::INFO,
+    &criticalkv::INFO,
+    &criticaladakv::INFO,
+    &keyrerotation::INFO,
+    &decoding::INFO,
+    &prefilldecoding::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {
