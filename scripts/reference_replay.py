@@ -31,6 +31,8 @@ import time
 import numpy as np
 from safetensors.numpy import load_file
 
+from reference_presses import REPLAYS as PRESS_REPLAYS
+
 
 def load(trace):
     man = json.load(open(f"{trace}/manifest.json"))
@@ -229,6 +231,8 @@ PRESSES = {"observed_attention": observed_attention_keep, "keydiff": keydiff_kee
 
 def replay(policy, b, man, layers):
     name, _, opt = policy.partition(":")
+    if name in PRESS_REPLAYS:
+        return PRESS_REPLAYS[name](policy, b, man, layers)
     opts = dict([opt.split("=")]) if opt else {}
     m = man["model"]
     nh, nkv, scale = m["n_heads"], m["n_kv_heads"], m["attn_scale"]

@@ -80,6 +80,14 @@ const EXTRA_SPECS: &[&str] = &[
     "knorm:preset=kvpress",
     "streaming_llm:preset=kvpress",
     "h2o:preset=kvpress",
+    "expected_attention:n_sink=1,n_future=8",
+    "expected_attention:use_covariance=false,epsilon=0.01",
+    "think:ratio=0.25,w=4",
+    "snapkv:w=3+think:w=4",
+    "simlayerkv:lazy_threshold=0.3,n_initial=1",
+    "compactor:sink_start=1,sink_end=1,chunk=8",
+    "finch:question=3",
+    "finch:question=4,normalize=false",
 ];
 
 fn golden_dir() -> PathBuf {

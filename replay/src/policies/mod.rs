@@ -13,9 +13,12 @@ pub mod a2sf;
 pub mod adakv;
 pub mod ahakv;
 pub mod cam;
+pub mod compactor;
 pub mod cur;
 pub mod d2o;
 pub mod ems;
+pub mod expected_attention;
+pub mod finch;
 pub mod full;
 pub mod h2o;
 pub mod keydiff;
@@ -29,9 +32,11 @@ pub mod pyramidkv;
 pub mod quant;
 pub mod random;
 pub mod scissorhands;
+pub mod simlayerkv;
 pub mod sliding;
 pub mod snapkv;
 pub mod streaming_llm;
+pub mod think;
 pub mod tova;
 
 /// Every policy, in the order `kvreplay policies` lists them.
@@ -60,6 +65,11 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &a2sf::INFO,
     &leverage::INFO,
     &cur::INFO,
+    &expected_attention::INFO,
+    &think::INFO,
+    &simlayerkv::INFO,
+    &compactor::INFO,
+    &finch::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {
