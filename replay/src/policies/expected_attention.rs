@@ -20,7 +20,7 @@ use crate::policy::PrefillCtx;
 use crate::scorer::{Scorer, Unit};
 use crate::select::Protect;
 use crate::ReplayError;
-use kvreplay_kernels::cpu::{RopeCache, RopeParams, RopeStyle};
+use kvreplay_kernels::cpu::{rope_table, rotate_with_table, RopeParams, RopeStyle};
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "expected_attention",
@@ -104,26 +104,25 @@ pub fn mean_rotation(rope: Option<&RopeParams>, d: usize, from: usize, n: usize)
 
 impl ExpectedAttention {
     /// Expected attention of query head `h` over positions n_sink..P: (P − n_sink,).
+    /// `unrope`: the layer's table undoing RoPE at positions n_sink..P.
     fn head_attention(
         &self,
         ctx: &PrefillCtx,
         h: usize,
         rot: &[f64],
-        rope: Option<&RopeCache>,
+        unrope: Option<&[f32]>,
     ) -> Vec<f64> {
         let (p, d, ns) = (ctx.prompt_len(), ctx.head_dim(), self.n_sink);
         let g = h / ctx.group();
         let n = p - ns;
         // pre-RoPE queries of n_sink..P: (n, d)
-        let mut qs = Vec::with_capacity(n * d);
-        let mut q = vec![0f32; d];
-        for i in ns..p {
-            q.copy_from_slice(ctx.query(h, i));
-            if let Some(r) = rope {
-                r.rotate(&mut q, i, -1.0);
-            }
-            qs.extend(q.iter().map(|&x| x as f64));
+        let mut q32: Vec<f32> = (ns..p)
+            .flat_map(|i| ctx.query(h, i).iter().copied())
+            .collect();
+        if let (Some(t), Some(rp)) = (unrope, ctx.rope()) {
+            rotate_with_table(&mut q32, 1, d, rp.style, rp.rotated_dims, t);
         }
+        let qs: Vec<f64> = q32.iter().map(|&x| x as f64).collect();
         let mut mu = vec![0f64; d];
         qs.chunks_exact(d)
             .for_each(|q| mu.iter_mut().zip(q).for_each(|(a, x)| *a += x));
@@ -170,7 +169,7 @@ impl ExpectedAttention {
             matmul(&matmul(rot, &cov), &rt)
         });
         let sqrt_d = (d as f64).sqrt();
-        let mut k = vec![0f64; d];
+        let (mut k, mut ck) = (vec![0f64; d], vec![0f64; d]);
         let z: Vec<f64> = (ns..p)
             .map(|i| {
                 k.iter_mut()
@@ -178,8 +177,14 @@ impl ExpectedAttention {
                     .for_each(|(a, x)| *a = *x as f64);
                 let mut z = dot(&k, &mu_r) / sqrt_d;
                 if let Some(c) = &cov_r {
-                    let quad: f64 = (0..d).map(|r| k[r] * dot(&c[r * d..(r + 1) * d], &k)).sum();
-                    z += quad / d as f64 / 2.0;
+                    // Σ'k as a sum of rows (Σ' is symmetric): vectorisable
+                    ck.fill(0.0);
+                    for (r, &x) in k.iter().enumerate() {
+                        ck.iter_mut()
+                            .zip(&c[r * d..(r + 1) * d])
+                            .for_each(|(o, y)| *o += x * y);
+                    }
+                    z += dot(&k, &ck) / d as f64 / 2.0;
                 }
                 z
             })
@@ -198,11 +203,12 @@ impl ExpectedAttention {
             return vec![0.0; p];
         }
         let rot = mean_rotation(ctx.rope().as_ref(), ctx.head_dim(), p, self.n_future);
-        let rope = ctx.rope().map(RopeCache::new);
+        // one table for the layer (the same rotation as RopeCache, bit for bit)
+        let unrope = ctx.rope().map(|rp| rope_table(p - ns, ns, &rp, -1.0));
         let gs = ctx.group();
         let mut mean = vec![0f64; p - ns];
         for h in g * gs..(g + 1) * gs {
-            let a = self.head_attention(ctx, h, &rot, rope.as_ref());
+            let a = self.head_attention(ctx, h, &rot, unrope.as_deref());
             mean.iter_mut()
                 .zip(a)
                 .for_each(|(m, x)| *m += x / gs as f64);
