@@ -305,7 +305,13 @@ fn error_falls_as_the_budget_grows() {
     let Some(dir) = trace() else { return };
     let trace = Trace::open(dir).unwrap();
     let budgets = [16, 64, 256];
-    for info in REGISTRY.iter().filter(|i| i.name != "full") {
+    // simlayerkv is left out: a larger budget is a longer recent window, which
+    // makes more layers lazy (kvpress's rule with n_recent = B − n_initial +
+    // n_last), so its error need not fall (docs/methods/simlayerkv.md)
+    for info in REGISTRY
+        .iter()
+        .filter(|i| i.name != "full" && i.name != "simlayerkv")
+    {
         // a wrapper alone wraps `full`: compose it onto snapkv
         let spec = if info.is_wrapper() {
             format!("snapkv+{}", info.name)
