@@ -33,6 +33,7 @@ from safetensors.numpy import load_file
 
 from reference_quantmeth import QUANTMETH
 from reference_heads import HEADS  # whole-model head-level methods (own replay over entries)
+from reference_presses import REPLAYS as PRESS_REPLAYS
 
 
 def load(trace):
@@ -242,6 +243,8 @@ def replay(policy, b, man, layers):
     name, _, opt = policy.partition(":")
     if name in HEADS:
         return HEADS[name](b, man, layers, **dict(kv.split("=") for kv in opt.split(",") if kv))
+    if name in PRESS_REPLAYS:
+        return PRESS_REPLAYS[name](policy, b, man, layers)
     if name in REPLAYS:
         return REPLAYS[name](policy, b, man, layers)
     opts = dict(o.split("=") for o in opt.split(",")) if opt else {}

@@ -305,7 +305,13 @@ fn error_falls_as_the_budget_grows() {
     let Some(dir) = trace() else { return };
     let trace = Trace::open(dir).unwrap();
     let budgets = [16, 64, 256];
-    for info in REGISTRY.iter().filter(|i| i.name != "full") {
+    // simlayerkv is left out: a larger budget is a longer recent window, which
+    // makes more layers lazy (kvpress's rule with n_recent = B − n_initial +
+    // n_last), so its error need not fall (docs/methods/simlayerkv.md)
+    for info in REGISTRY
+        .iter()
+        .filter(|i| i.name != "full" && i.name != "simlayerkv")
+    {
         // a wrapper alone wraps `full`: compose it onto snapkv
         let spec = if info.is_wrapper() {
             format!("snapkv+{}", info.name)
@@ -648,6 +654,39 @@ fn wrappers_methods_match_the_numpy_reference() {
             "snapkv+keyrerotation",
             "decoding:scorer=tova,compression_interval=4",
             "prefilldecoding:scorer=tova,compression_interval=4",
+        ],
+        1e-5,
+    );
+}
+
+/// The kvpress presses expected_attention, think (alone and after snapkv),
+/// simlayerkv, compactor and finch against the independent NumPy
+/// transcriptions in scripts/reference_presses.py. Tolerance 1e-5, as for the
+/// other presses: both sides read the same f16 trace; kvreplay scores partly
+/// in f32 (attention rows, the un-rotated queries and keys), NumPy in f64,
+/// which moves the metrics far less than this unless a kept position
+/// changes, which would move them by more (measured: 9.4e-9). simlayerkv runs
+/// at 0.9 (default), 0.7 and 0.5 so that some layers are lazy and some not on
+/// this trace.
+#[test]
+fn presses_methods_match_the_numpy_reference() {
+    assert_matches_numpy(
+        &[
+            "expected_attention",
+            "expected_attention:use_covariance=false",
+            "expected_attention:n_future=64",
+            "think",
+            "think:ratio=0.25",
+            "snapkv+think",
+            "simlayerkv",
+            "simlayerkv:lazy_threshold=0.7",
+            "simlayerkv:lazy_threshold=0.5",
+            "compactor",
+            "compactor:chunk=128",
+            "compactor:blending=0",
+            "finch",
+            "finch:normalize=false",
+            "finch:question=64",
         ],
         1e-5,
     );

@@ -95,6 +95,14 @@ const EXTRA_SPECS: &[&str] = &[
     "snapkv:w=3+keyrerotation",
     "h2o:recent=2+decoding:scorer=tova,compression_interval=2",
     "prefilldecoding:w=3,compression_interval=3",
+    "expected_attention:n_sink=1,n_future=8",
+    "expected_attention:use_covariance=false,epsilon=0.01",
+    "think:ratio=0.25,w=4",
+    "snapkv:w=3+think:w=4",
+    "simlayerkv:lazy_threshold=0.3,n_initial=1",
+    "compactor:sink_start=1,sink_end=1,chunk=8",
+    "finch:question=3",
+    "finch:question=4,normalize=false",
 ];
 
 fn golden_dir() -> PathBuf {

@@ -76,10 +76,17 @@ fn cholesky(a: &[f64], m: usize) -> Option<Vec<f64>> {
 impl Leverage {
     /// Raw leverage scores of KV head `g`'s prompt positions.
     pub fn raw(&self, ctx: &PrefillCtx, g: usize) -> Vec<f64> {
-        let (p, d, m) = (ctx.prompt_len(), ctx.head_dim(), self.sketch);
+        self.raw_range(ctx, g, 0..ctx.prompt_len())
+    }
+
+    /// Raw leverage scores of KV head `g`'s prompt positions `range` (keys
+    /// centred over `range`; Compactor scores the positions between its
+    /// sinks), (range.len(),).
+    pub fn raw_range(&self, ctx: &PrefillCtx, g: usize, range: std::ops::Range<usize>) -> Vec<f64> {
+        let (p, d, m) = (range.len(), ctx.head_dim(), self.sketch);
         let rope = ctx.rope().map(RopeCache::new);
-        // pre-RoPE keys, centred over the prompt
-        let mut keys: Vec<Vec<f64>> = (0..p)
+        // pre-RoPE keys, centred over the positions scored
+        let mut keys: Vec<Vec<f64>> = range
             .map(|i| {
                 let mut k = ctx.key(g, i).to_vec();
                 if let Some(r) = &rope {
@@ -149,15 +156,21 @@ impl Leverage {
     /// over the whole (batch, KV head, position) tensor).
     fn layer_scores(&self, ctx: &PrefillCtx) -> Vec<Vec<f32>> {
         let raw: Vec<Vec<f64>> = (0..ctx.n_kv_heads()).map(|g| self.raw(ctx, g)).collect();
-        let all: Vec<f64> = raw.iter().flatten().copied().collect();
-        let n = all.len() as f64;
-        let mean = all.iter().sum::<f64>() / n;
-        let var = all.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-        let sd = var.sqrt().max(1e-6);
-        raw.iter()
-            .map(|r| r.iter().map(|v| ((v - mean) / sd) as f32).collect())
-            .collect()
+        zscore(&raw)
     }
+}
+
+/// Scores z-scored over every head and position together (kvpress's
+/// `(s − s.mean()) / s.std().clamp_min(1e-6)`, unbiased std): (heads, n).
+pub fn zscore(raw: &[Vec<f64>]) -> Vec<Vec<f32>> {
+    let all: Vec<f64> = raw.iter().flatten().copied().collect();
+    let n = all.len() as f64;
+    let mean = all.iter().sum::<f64>() / n;
+    let var = all.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    let sd = var.sqrt().max(1e-6);
+    raw.iter()
+        .map(|r| r.iter().map(|v| ((v - mean) / sd) as f32).collect())
+        .collect()
 }
 
 /// Memo key of a layer's scores.

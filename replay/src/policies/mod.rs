@@ -16,6 +16,7 @@ pub mod block;
 pub mod cam;
 pub mod chunk;
 pub mod chunkkv;
+pub mod compactor;
 pub mod compresskv;
 pub mod criticaladakv;
 pub mod criticalkv;
@@ -23,6 +24,8 @@ pub mod cur;
 pub mod d2o;
 pub mod decoding;
 pub mod ems;
+pub mod expected_attention;
+pub mod finch;
 pub mod full;
 pub mod gear;
 pub mod h2o;
@@ -44,9 +47,11 @@ pub mod random;
 pub mod razor;
 pub mod retrieval_head;
 pub mod scissorhands;
+pub mod simlayerkv;
 pub mod sliding;
 pub mod snapkv;
 pub mod streaming_llm;
+pub mod think;
 pub mod tova;
 pub mod windowkv;
 pub mod zipcache;
@@ -94,6 +99,11 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &keyrerotation::INFO,
     &decoding::INFO,
     &prefilldecoding::INFO,
+    &expected_attention::INFO,
+    &think::INFO,
+    &simlayerkv::INFO,
+    &compactor::INFO,
+    &finch::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {
