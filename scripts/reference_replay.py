@@ -31,6 +31,8 @@ import time
 import numpy as np
 from safetensors.numpy import load_file
 
+import reference_evict  # kvcrush, lazyeviction, xkv, triforce (scripts/reference_evict.py)
+
 
 def load(trace):
     man = json.load(open(f"{trace}/manifest.json"))
@@ -225,11 +227,14 @@ def leverage_keep(kg, p, b, layer, g, rope, **opts):
 
 PRESSES = {"observed_attention": observed_attention_keep, "keydiff": keydiff_keep, "lagkv": lagkv_keep,
            "cur": cur_keep, "leverage": leverage_keep}
+PRESSES.update(reference_evict.PRESSES)
 
 
 def replay(policy, b, man, layers):
     name, _, opt = policy.partition(":")
     opts = dict([opt.split("=")]) if opt else {}
+    if name in reference_evict.REPLAYS:
+        return reference_evict.REPLAYS[name](b, man, layers, **opts)
     m = man["model"]
     nh, nkv, scale = m["n_heads"], m["n_kv_heads"], m["attn_scale"]
     group = nh // nkv

@@ -20,8 +20,10 @@ pub mod full;
 pub mod h2o;
 pub mod keydiff;
 pub mod knorm;
+pub mod kvcrush;
 pub mod kvmerger;
 pub mod lagkv;
+pub mod lazyeviction;
 pub mod leverage;
 pub mod minicache;
 pub mod observed_attention;
@@ -33,6 +35,8 @@ pub mod sliding;
 pub mod snapkv;
 pub mod streaming_llm;
 pub mod tova;
+pub mod triforce;
+pub mod xkv;
 
 /// Every policy, in the order `kvreplay policies` lists them.
 pub static REGISTRY: &[&PolicyInfo] = &[
@@ -60,6 +64,10 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &a2sf::INFO,
     &leverage::INFO,
     &cur::INFO,
+    &kvcrush::INFO,
+    &lazyeviction::INFO,
+    &xkv::INFO,
+    &triforce::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {
