@@ -122,25 +122,27 @@ def shape(man):
 
 # ---------------------------------------------------------------- lazyeviction
 
-def lazy_prompt(q, kg, heads, p, scale, alpha):
-    """(last, mri) per prompt position after the prompt rows as steps."""
-    a = np.zeros((p, p))
-    causal = np.arange(p)[None, :] <= np.arange(p)[:, None]
+def lazy_prompt(q, kg, heads, p, scale, alpha, rows):
+    """(last, mri) per prompt position after the last `rows` prompt rows as steps."""
+    js = np.arange(p - rows, p)
+    a = np.zeros((rows, p))
+    causal = np.arange(p)[None, :] <= js[:, None]
     for h in heads:
-        a += softmax_rows(scale * q[h, :p] @ kg[:p].T, causal)
+        a += softmax_rows(scale * q[h, js] @ kg[:p].T, causal)
     a /= len(heads)
     last = np.arange(p)
     mri = np.zeros(p, dtype=int)
-    for j in range(p):
-        hit = np.nonzero(a[j, : j + 1] > alpha / (j + 1))[0]
+    for x, j in enumerate(js):
+        hit = np.nonzero(a[x, : j + 1] > alpha / (j + 1))[0]
         mri[hit] = np.maximum(mri[hit], j - last[hit])
         last[hit] = j
     return last, mri
 
 
-def lazy_replay(b, man, layers, window="16", alpha="1.0", decode_evict="true", **_):
+def lazy_replay(b, man, layers, window="16", alpha="1.0", rows="128", decode_evict="true", **_):
     m, nh, nkv, scale, p, t_all = shape(man)
     w, alpha = int(window), float(alpha)
+    rows = p if rows == "all" else min(int(rows), p)
     group = nh // nkv
     steps = np.arange(p, t_all)
     causal = np.arange(t_all)[None, :] <= steps[:, None]
@@ -149,7 +151,7 @@ def lazy_replay(b, man, layers, window="16", alpha="1.0", decode_evict="true", *
         q, k, v = lay["q"], lay["k"], lay["v"]
         for g in range(nkv):
             heads = list(range(g * group, (g + 1) * group))
-            last_p, mri_p = lazy_prompt(q, k[g], heads, p, scale, alpha)
+            last_p, mri_p = lazy_prompt(q, k[g], heads, p, scale, alpha, rows)
             r = min(w, b)
             if p > b:
                 prio = -(p - 1 - last_p) / (mri_p + 1.0)

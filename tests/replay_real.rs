@@ -562,6 +562,7 @@ fn evict_methods_match_the_numpy_reference() {
         "lazyeviction:window=4",
         "lazyeviction:alpha=2",
         "lazyeviction:decode_evict=false",
+        "lazyeviction:rows=all",
         "xkv",
         "xkv:group=1",
         "xkv:group=2",

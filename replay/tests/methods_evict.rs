@@ -122,6 +122,14 @@ fn lazyeviction_keeps_recurring_tokens_and_evicts_once_per_window() {
     assert_eq!(kept(spec, &data, 3), vec![vec![0, 2, 5]]);
     assert_eq!(kept(spec, &data, 4), vec![vec![0, 2, 3, 5]]);
     assert_eq!(kept(spec, &data, 5), vec![vec![0, 1, 2, 3, 5]]);
+    // rows = 2 observes rows 4 and 5 only: B's recurrence at row 3 is unseen
+    // (B: last 1, MRI 0 → −4), A recurs at row 5 after its creation (MRI 5,
+    // s 0); 2: MRI 2, last 4 → −1/3; 3: −1/2; 4: −1 → B = 5 keeps
+    // {0, 2, 3, 4, 5}
+    assert_eq!(
+        kept("lazyeviction:window=1,rows=2", &data, 5),
+        vec![vec![0, 2, 3, 4, 5]]
+    );
 
     // Decode, lazily. Every logit 0 (uniform attention) and α = 2: nothing is
     // ever attended, so s = −(t − created) (MRI 0) and the oldest goes first.

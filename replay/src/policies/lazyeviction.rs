@@ -13,7 +13,8 @@
 //! within its longest gap (it may still recur), below once it has been
 //! silent longer than ever before.
 //!
-//! Prefill (P > B): the prompt queries are the steps (row j sees j + 1 keys);
+//! Prefill (P > B): the last R prompt queries (`rows`, 128) are the steps
+//! (row j sees j + 1 keys; a position's history starts at its creation);
 //! the W most recent positions (the observation window) are kept and the
 //! B − W highest priorities at t = P − 1 among the rest. Decode: the cache
 //! holds B; when a step's entry makes it exceed B, the W lowest priorities
@@ -37,6 +38,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     params: &[
         ParamInfo { name: "window", default: "16", kind: Kind::Int, help: "observation window W: the W most recent entries are kept, and W entries are evicted at once when the cache exceeds B" },
         ParamInfo { name: "alpha", default: "1.0", kind: Kind::Float, help: "a token is attended at a step when its attention exceeds alpha / (entries seen)" },
+        ParamInfo { name: "rows", default: "128", kind: Kind::IntOr("all"), help: "the last prompt rows observed as steps at prefill (`all` = every prompt query; 128 fits a lean trace)" },
         ParamInfo { name: "decode_evict", default: "true", kind: Kind::Bool, help: "hold B entries during decode (false = prefill only)" },
     ],
     caps: Caps {
@@ -49,7 +51,14 @@ pub static INFO: PolicyInfo = PolicyInfo {
         if window == 0 {
             return Err(p.bad("window", "must be at least 1".into()));
         }
-        Ok(Arc::new(LazyEviction { window, alpha: p.float_positive("alpha")?, decode_evict: p.bool("decode_evict")? }))
+        let rows = match p.word("rows") {
+            "all" => None,
+            _ => Some(p.int("rows")?),
+        };
+        if rows == Some(0) {
+            return Err(p.bad("rows", "must be at least 1 (or all)".into()));
+        }
+        Ok(Arc::new(LazyEviction { window, alpha: p.float_positive("alpha")?, rows, decode_evict: p.bool("decode_evict")? }))
     }),
 };
 
@@ -57,6 +66,8 @@ pub static INFO: PolicyInfo = PolicyInfo {
 pub struct LazyEviction {
     pub window: usize,
     pub alpha: f64,
+    /// Prompt rows observed at prefill (None: all).
+    pub rows: Option<usize>,
     pub decode_evict: bool,
 }
 
@@ -67,6 +78,7 @@ type Recurrence = Vec<(u32, u32)>;
 #[derive(Debug, PartialEq)]
 struct PromptRecurrence {
     alpha: u64,
+    rows: usize,
     heads: std::ops::Range<usize>,
 }
 impl crate::memo::MemoKey for PromptRecurrence {
@@ -96,18 +108,26 @@ fn priority(r: (u32, u32), t: usize) -> f32 {
 }
 
 impl LazyEviction {
-    /// The prompt rows as steps: every position's (last, MRI) after row P − 1.
+    /// Prompt rows observed at prefill for a P-token prompt.
+    fn rows(&self, p: usize) -> usize {
+        self.rows.unwrap_or(p).min(p)
+    }
+
+    /// The last R prompt rows as steps: every position's (last, MRI) after
+    /// row P − 1 (each starts at its own position, MRI 0).
     fn prompt(&self, ctx: &PrefillCtx, u: &Unit) -> Arc<Recurrence> {
+        let p = ctx.prompt_len();
+        let r = self.rows(p);
         let key = PromptRecurrence {
             alpha: self.alpha.to_bits(),
+            rows: r,
             heads: u.heads.clone(),
         };
         ctx.memo(key, || {
-            let p = ctx.prompt_len();
-            // group mean of the (P, P) causal attention, summed in head order
+            // group mean of the (R, P) causal attention rows, summed in head order
             let mut mean: Vec<f32> = Vec::new();
             for h in u.heads.clone() {
-                let a = ctx.attn_rows(h, 0..p);
+                let a = ctx.attn_rows(h, p - r..p);
                 if mean.is_empty() {
                     mean = a;
                 } else {
@@ -117,9 +137,9 @@ impl LazyEviction {
             let n = u.heads.len() as f32;
             mean.iter_mut().for_each(|x| *x /= n);
             let mut rec: Recurrence = (0..p as u32).map(|i| (i, 0)).collect();
-            for j in 0..p {
+            for (x, j) in (p - r..p).enumerate() {
                 // row j sees keys 0..=j
-                observe(&mut rec[..=j], &mean[j * p..j * p + j + 1], j, self.alpha);
+                observe(&mut rec[..=j], &mean[x * p..x * p + j + 1], j, self.alpha);
             }
             rec
         })
@@ -127,6 +147,10 @@ impl LazyEviction {
 }
 
 impl Scorer for LazyEviction {
+    /// The observed prompt rows.
+    fn prompt_queries(&self, p: usize, _: usize) -> usize {
+        self.rows(p)
+    }
     fn score(&self, ctx: &PrefillCtx, u: &Unit) -> Vec<f32> {
         let t = ctx.prompt_len().saturating_sub(1);
         self.prompt(ctx, u)
