@@ -187,21 +187,33 @@ fn f16(x: f64) -> f64 {
 fn gram_eig(x: &[f64], p: usize, n: usize) -> Eig {
     let m = p.min(n);
     let mut a = vec![0f64; m * m];
-    for i in 0..m {
-        for j in 0..=i {
-            let s: f64 = if p <= n {
-                // (X Xᵀ)_ij
-                x[i * n..(i + 1) * n]
+    if p <= n {
+        // (X Xᵀ)_ij: dot products of rows
+        for i in 0..m {
+            for j in 0..=i {
+                a[i * m + j] = x[i * n..(i + 1) * n]
                     .iter()
                     .zip(&x[j * n..(j + 1) * n])
                     .map(|(u, v)| u * v)
-                    .sum()
-            } else {
-                // (Xᵀ X)_ij
-                (0..p).map(|t| x[t * n + i] * x[t * n + j]).sum()
-            };
-            a[i * m + j] = s;
-            a[j * m + i] = s;
+                    .sum();
+            }
+        }
+    } else {
+        // (Xᵀ X)_ij = Σ_t x_ti x_tj, accumulated row by row (contiguous)
+        for t in 0..p {
+            let row = &x[t * n..(t + 1) * n];
+            for i in 0..m {
+                let xi = row[i];
+                a[i * m..i * m + i + 1]
+                    .iter_mut()
+                    .zip(&row[..=i])
+                    .for_each(|(o, xj)| *o += xi * xj);
+            }
+        }
+    }
+    for i in 0..m {
+        for j in 0..i {
+            a[j * m + i] = a[i * m + j];
         }
     }
     symmetric_eig(a, m)
@@ -272,14 +284,16 @@ pub fn symmetric_eig(a: Vec<f64>, m: usize) -> Eig {
     let mut d = vec![0f64; m];
     let mut e = vec![0f64; m];
     tred2(&mut v, &mut d, &mut e);
-    tql2(&mut v, &mut d, &mut e);
+    // QL rotates pairs of columns: hold them as contiguous rows
+    let mut vt: Vec<Vec<f64>> = (0..m).map(|j| (0..m).map(|k| v[k][j]).collect()).collect();
+    tql2(&mut vt, &mut d, &mut e);
     let mut order: Vec<usize> = (0..m).collect();
     order.sort_by(|&x, &y| d[y].total_cmp(&d[x]).then(x.cmp(&y)));
     let vals = order.iter().map(|&j| d[j]).collect();
     let mut vecs = vec![0f64; m * m];
     for (jj, &j) in order.iter().enumerate() {
         for k in 0..m {
-            vecs[k * m + jj] = v[k][j];
+            vecs[k * m + jj] = vt[j][k];
         }
     }
     Eig { m, vals, vecs }
@@ -379,8 +393,10 @@ fn tred2(v: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
     e[0] = 0.0;
 }
 
+/// `vt[j]` is column j of the tridiagonalising transform on entry and
+/// eigenvector j on return.
 #[allow(clippy::needless_range_loop)]
-fn tql2(v: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
+fn tql2(vt: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
     let n = d.len();
     for i in 1..n {
         e[i - 1] = e[i];
@@ -433,10 +449,11 @@ fn tql2(v: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
                     c = p / r;
                     p = c * d[i] - s * g;
                     d[i + 1] = h + s * (c * g + s * d[i]);
-                    for row in v.iter_mut() {
-                        h = row[i + 1];
-                        row[i + 1] = s * row[i] + c * h;
-                        row[i] = c * row[i] - s * h;
+                    let (lo, hi) = vt.split_at_mut(i + 1);
+                    for (a, b) in lo[i].iter_mut().zip(hi[0].iter_mut()) {
+                        h = *b;
+                        *b = s * *a + c * h;
+                        *a = c * *a - s * h;
                     }
                 }
                 p = -s * s2 * c3 * el1 * e[l] / dl1;
