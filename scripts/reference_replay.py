@@ -34,6 +34,7 @@ from safetensors.numpy import load_file
 from reference_quantmeth import QUANTMETH
 from reference_heads import HEADS  # whole-model head-level methods (own replay over entries)
 from reference_presses import REPLAYS as PRESS_REPLAYS
+import reference_evict  # kvcrush, lazyeviction, xkv, triforce (scripts/reference_evict.py)
 
 
 def load(trace):
@@ -238,9 +239,14 @@ from reference_wrappers import REPLAYS, WRAPPERS  # noqa: E402  (the kvpress wra
 
 PRESSES.update(WRAPPERS)
 
+PRESSES.update(reference_evict.PRESSES)
+
 
 def replay(policy, b, man, layers):
     name, _, opt = policy.partition(":")
+    if name in reference_evict.REPLAYS:
+        opts = dict(o.split("=") for o in opt.split(",")) if opt else {}
+        return reference_evict.REPLAYS[name](b, man, layers, **opts)
     if name in HEADS:
         return HEADS[name](b, man, layers, **dict(kv.split("=") for kv in opt.split(",") if kv))
     if name in PRESS_REPLAYS:

@@ -103,6 +103,14 @@ const EXTRA_SPECS: &[&str] = &[
     "compactor:sink_start=1,sink_end=1,chunk=8",
     "finch:question=3",
     "finch:question=4,normalize=false",
+    "kvcrush:recent=2,share=0.5,anchor=zeros",
+    "kvcrush:scorer=snapkv,w=3,bit=mean,anchor=mean",
+    "lazyeviction:window=2",
+    "lazyeviction:window=1,alpha=0.5,decode_evict=false",
+    "xkv:group=2",
+    "xkv:group=3,rank_k=2,rank_v=3",
+    "triforce:chunk=2",
+    "triforce:chunk=3,refresh=2,per_query_head=true",
 ];
 
 fn golden_dir() -> PathBuf {

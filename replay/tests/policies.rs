@@ -416,7 +416,8 @@ mod invariants {
                         }
                         total += entries as isize;
                         // exact entries cost exactly f16 (low-rank / sparse stores re-express
-                        // them; think stores fewer key channels)
+                        // them, think stores fewer key channels, xkv's entries carry their
+                        // share of the factors' bits)
                         if !caps.merges && !caps.quantises && caps.family != Family::LowRank {
                             prop_assert_eq!(c.total_bits(), c.len() as u64 * HeadCache::exact_bits(8));
                         }

@@ -32,9 +32,11 @@ pub mod h2o;
 pub mod keydiff;
 pub mod keyrerotation;
 pub mod knorm;
+pub mod kvcrush;
 pub mod kvmerger;
 pub mod kvquant;
 pub mod lagkv;
+pub mod lazyeviction;
 pub mod leverage;
 pub mod mikv;
 pub mod minicache;
@@ -53,7 +55,9 @@ pub mod snapkv;
 pub mod streaming_llm;
 pub mod think;
 pub mod tova;
+pub mod triforce;
 pub mod windowkv;
+pub mod xkv;
 pub mod zipcache;
 
 /// Every policy, in the order `kvreplay policies` lists them.
@@ -104,6 +108,10 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &simlayerkv::INFO,
     &compactor::INFO,
     &finch::INFO,
+    &kvcrush::INFO,
+    &lazyeviction::INFO,
+    &xkv::INFO,
+    &triforce::INFO,
 ];
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {

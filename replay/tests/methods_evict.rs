@@ -1,0 +1,322 @@
+//! Known-answer tests of kvcrush, lazyeviction and xkv on hand-built layers
+//! (each expected answer derived by hand in the comments).
+
+mod common;
+
+use common::{explicit_layer, run_steps, simple_layer};
+use kvreplay_replay::policy::{LayerData, PrefillCtx};
+use kvreplay_replay::PolicySpec;
+
+/// Kept prompt positions per cache after prefill.
+fn kept(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<usize>> {
+    let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
+    let (caches, _) = policy.prefill(&PrefillCtx::new(data, budget)).unwrap();
+    caches.iter().map(|c| c.positions()).collect()
+}
+
+#[test]
+fn kvcrush_keeps_one_representative_per_hamming_bucket() {
+    // One KV head read by two query heads (H = 2 signature bits), P = 8,
+    // B = 4, inner scorer H2O with recent = 0 (its column sums, set here):
+    //   pos   0   1   2   3   4   5   6   7
+    //   h0   10   1   6   0   7   2   0   8
+    //   h1   10   9   0   1   7   2   3   0
+    //   mean 10   5   3  .5   7   2 1.5   4
+    // share = .5: R = 2 representatives, the top 2 by the mean: {0, 4};
+    // evicted E = {1, 2, 3, 5, 6, 7}.
+    // bit=half: head h's top 4 of the 8 candidates: h0 {0, 2, 4, 7},
+    // h1 {0, 1, 4, 6}; signatures (h0, h1) of E:
+    //   1: 01, 2: 10, 3: 00, 5: 00, 6: 01, 7: 10.
+    // |E| = 6, R = 2: buckets of s = 3 ranks, ranks 0 and 3 kept.
+    //   zeros: (dist, pos) sorted (0,3) (0,5) (1,1) (1,2) (1,6) (1,7) → 3, 2
+    //   ones:  (1,1) (1,2) (1,6) (1,7) (2,3) (2,5) → 1, 7
+    //   mean:  the majority bit of E is 0 for both heads (2 of 6) → as zeros
+    //   alternate (h1 set): (0,1) (0,6) (1,3) (1,5) (2,2) (2,7) → 1, 5
+    let mut data = simple_layer(&[vec![0.0; 10]], 2, 8, 0, 1);
+    data.colsum = vec![
+        10.0, 1.0, 6.0, 0.0, 7.0, 2.0, 0.0, 8.0, //
+        10.0, 9.0, 0.0, 1.0, 7.0, 2.0, 3.0, 0.0,
+    ];
+    let spec = |rest: &str| format!("kvcrush:recent=0,share=0.5,{rest}");
+    assert_eq!(
+        kept(&spec("anchor=zeros"), &data, 4),
+        vec![vec![0, 2, 3, 4]]
+    );
+    assert_eq!(kept(&spec("anchor=ones"), &data, 4), vec![vec![0, 1, 4, 7]]);
+    assert_eq!(kept(&spec("anchor=mean"), &data, 4), vec![vec![0, 2, 3, 4]]);
+    assert_eq!(
+        kept(&spec("anchor=alternate"), &data, 4),
+        vec![vec![0, 1, 4, 5]]
+    );
+    // bit=mean: h0's mean 4.25 → {0, 2, 4, 7}; h1's mean 4 → {0, 1, 4}
+    // (6 loses its bit): zeros → (0,3) (0,5) (0,6) (1,1) (1,2) (1,7) → 3, 1
+    assert_eq!(
+        kept(&spec("anchor=zeros,bit=mean"), &data, 4),
+        vec![vec![0, 1, 3, 4]]
+    );
+    // share = 0 is the inner scorer alone: top 4 by the mean {0, 4, 1, 7}
+    assert_eq!(
+        kept("kvcrush:recent=0,share=0", &data, 4),
+        kept("h2o:recent=0,decode_evict=false", &data, 4)
+    );
+    assert_eq!(
+        kept("kvcrush:recent=0,share=0", &data, 4),
+        vec![vec![0, 1, 4, 7]]
+    );
+    // a random anchor is one of the four 2-bit anchors; anchor 10 (h0 set)
+    // gives (0,2) (0,7) (1,3) (1,5) (2,1) (2,6) → 2, 5
+    let four = [
+        vec![0, 2, 3, 4],
+        vec![0, 1, 4, 7],
+        vec![0, 1, 4, 5],
+        vec![0, 2, 4, 5],
+    ];
+    let mut seen = std::collections::HashSet::new();
+    for seed in 0..16 {
+        let k = kept(&spec(&format!("seed={seed}")), &data, 4).remove(0);
+        assert!(four.contains(&k), "seed {seed}: {k:?}");
+        seen.insert(k);
+    }
+    assert!(seen.len() >= 2, "the seed changes the anchor: {seen:?}");
+    // a decode-time inner scorer is refused
+    assert!(PolicySpec::parse("kvcrush:decode_evict=true")
+        .and_then(|s| s.build())
+        .is_err());
+}
+
+#[test]
+fn lazyeviction_keeps_recurring_tokens_and_evicts_once_per_window() {
+    // Prefill. One head, d = 2, scale 1, P = 6. Keys: A = pos 0 (1, 0),
+    // B = pos 1 (0, 1), positions 2..5 (0, 0). Queries per row j:
+    //   j = 0, 1, 2, 5: (5, 0); j = 3: (0, 3); j = 4: (−1, −1).
+    // Attended: a > 1/n (α = 1, n = j + 1 keys seen).
+    //   row 0: A = 1 (not > 1)
+    //   row 1: A = e^5/(e^5 + 1) = .993 > .5 → A: MRI 1, last 1
+    //   row 2: A = .987 > .33 → A: MRI 1, last 2 (B, 2: .0067)
+    //   row 3: B = e^3/(e^3 + 3) = .870 > .25 → B: MRI 3 − 1 = 2, last 3 (A .043)
+    //   row 4: A, B e^−1/(2e^−1 + 3) = .098; 2, 3, 4: .268 > .2 →
+    //          2: MRI 2, last 4; 3: MRI 1, last 4; 4: MRI 0, last 4
+    //   row 5: A = e^5/(e^5 + 5) = .967 > .167 → A: MRI 5 − 2 = 3, last 5
+    // Priorities s = −(5 − last)/(MRI + 1): A 0, B −2/3, 2: −1/3, 3: −1/2,
+    // 4: −1 (5 is the window, W = 1).
+    //   B = 2 → {0, 5}; B = 3 → {0, 2, 5}; B = 4 → {0, 2, 3, 5};
+    //   B = 5 → {0, 1, 2, 3, 5}: B, silent for 2 steps but within its
+    //   longest gap, outranks 4, silent for 1 step but never recurring
+    //   (recency alone would keep 4).
+    let row = |x: f32, y: f32| vec![x, y];
+    let q = vec![vec![
+        row(5.0, 0.0),
+        row(5.0, 0.0),
+        row(5.0, 0.0),
+        row(0.0, 3.0),
+        row(-1.0, -1.0),
+        row(5.0, 0.0),
+    ]];
+    let mut keys = vec![row(0.0, 0.0); 6];
+    keys[0] = row(1.0, 0.0);
+    keys[1] = row(0.0, 1.0);
+    let vals = (0..6).map(|i| row(i as f32, 1.0)).collect();
+    let data = explicit_layer(&q, &[keys], &[vals], 6, 1.0);
+    let spec = "lazyeviction:window=1";
+    assert_eq!(kept(spec, &data, 2), vec![vec![0, 5]]);
+    assert_eq!(kept(spec, &data, 3), vec![vec![0, 2, 5]]);
+    assert_eq!(kept(spec, &data, 4), vec![vec![0, 2, 3, 5]]);
+    assert_eq!(kept(spec, &data, 5), vec![vec![0, 1, 2, 3, 5]]);
+    // rows = 2 observes rows 4 and 5 only: B's recurrence at row 3 is unseen
+    // (B: last 1, MRI 0 → −4), A recurs at row 5 after its creation (MRI 5,
+    // s 0); 2: MRI 2, last 4 → −1/3; 3: −1/2; 4: −1 → B = 5 keeps
+    // {0, 2, 3, 4, 5}
+    assert_eq!(
+        kept("lazyeviction:window=1,rows=2", &data, 5),
+        vec![vec![0, 2, 3, 4, 5]]
+    );
+
+    // Decode, lazily. Every logit 0 (uniform attention) and α = 2: nothing is
+    // ever attended, so s = −(t − created) (MRI 0) and the oldest goes first.
+    // P = 4, T = 8, B = 3, W = 2: prefill keeps the window {2, 3} and the
+    // better of {0, 1} (s = −3, −2): {1, 2, 3}.
+    //   step 4: 4 entries > 3 → evict W = 2 outside the window {3, 4}: 1, 2
+    //   step 5: {3, 4, 5} (no eviction); step 6: 4 entries → {5, 6}
+    //   step 7: {5, 6, 7}: eviction every W = 2 steps, W entries at a time.
+    let data = simple_layer(&[vec![0.0; 8]], 1, 4, 0, 1);
+    let steps = run_steps("lazyeviction:window=2,alpha=2", &data, 3);
+    let pos: Vec<Vec<usize>> = steps.iter().map(|c| c[0].positions()).collect();
+    assert_eq!(
+        pos,
+        vec![
+            vec![1, 2, 3],
+            vec![3, 4],
+            vec![3, 4, 5],
+            vec![5, 6],
+            vec![5, 6, 7]
+        ]
+    );
+    // W = 1 evicts one entry at every step
+    let steps = run_steps("lazyeviction:window=1,alpha=2", &data, 3);
+    let pos: Vec<Vec<usize>> = steps.iter().map(|c| c[0].positions()).collect();
+    assert_eq!(
+        pos,
+        vec![
+            vec![1, 2, 3],
+            vec![2, 3, 4],
+            vec![3, 4, 5],
+            vec![4, 5, 6],
+            vec![5, 6, 7]
+        ]
+    );
+}
+
+#[test]
+fn xkv_reconstructs_the_shared_rank_r_basis_and_charges_its_factors() {
+    // Two layers in one group (G = 2), one KV head, d = 2, P = 3, T = 4, no
+    // RoPE. Concatenated over the layers, X is P × n with n = 2·1·2 = 4:
+    //   keys   [[2, 0 | 0, 0], [0, 0 | 0, 1], [0, 0 | 0, 0]]: σ = 2, 1
+    //   values [[3, 0 | 3, 0], [0, 1 | 0, 1], [0, 0 | 0, 0]]: σ = 3√2, √2
+    // Rank 1 keeps the top component, u = e_0 and F = the first row (both
+    // exact in f16): keys → layer 0 (2, 0), 0, 0 and layer 1 all zero;
+    // values → (3, 0) at position 0 in both layers, zero elsewhere (the
+    // basis is shared: one token direction serves both layers).
+    let row = |x: f32, y: f32| vec![x, y];
+    let zero = || row(0.0, 0.0);
+    let q = vec![vec![row(1.0, 0.0); 4]];
+    let layer = |l: usize, keys: Vec<Vec<f32>>, vals: Vec<Vec<f32>>| {
+        let mut d = explicit_layer(&q, &[keys], &[vals], 3, 1.0);
+        (d.layer, d.n_layers) = (l, 2);
+        d
+    };
+    let l0 = layer(
+        0,
+        vec![row(2.0, 0.0), zero(), zero(), row(5.0, 5.0)],
+        vec![row(3.0, 0.0), row(0.0, 1.0), zero(), row(7.0, 7.0)],
+    );
+    let l1 = layer(
+        1,
+        vec![zero(), row(0.0, 1.0), zero(), row(6.0, 6.0)],
+        vec![row(3.0, 0.0), row(0.0, 1.0), zero(), row(8.0, 8.0)],
+    );
+    let datas = [l0, l1];
+    let steps = common::run_group_steps("xkv:group=2,rank_k=1,rank_v=1", &datas, 2);
+    let (a, b) = (&steps[0][0][0], &steps[0][1][0]);
+    assert_eq!(a.keys, vec![2.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+    assert_eq!(b.keys, vec![0.0; 6]);
+    assert_eq!(a.values, vec![3.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+    assert_eq!(b.values, vec![3.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+    // every position kept; factor bits 16·(r_k + r_v)·(P + n) = 16·2·7 = 224
+    // over the group's 6 prompt entries: 37 each, the first 2 one more
+    assert_eq!(a.positions(), vec![0, 1, 2]);
+    assert_eq!(a.bits, vec![38, 38, 37]);
+    assert_eq!(b.bits, vec![37, 37, 37]);
+    // the decode entry is appended exact, at full cost
+    let (a, b) = (&steps[1][0][0], &steps[1][1][0]);
+    assert_eq!(
+        (a.key(3), a.value(3), a.bits[3]),
+        (&[5.0, 5.0][..], &[7.0, 7.0][..], 64)
+    );
+    assert_eq!((b.key(3), b.value(3)), (&[6.0, 6.0][..], &[8.0, 8.0][..]));
+    // rank 2 is exact (every factor exact in f16)
+    let steps = common::run_group_steps("xkv:group=2,rank_k=2,rank_v=2", &datas, 2);
+    assert_eq!(steps[0][1][0].keys, vec![0.0, 0.0, 0.0, 1.0, 0.0, 0.0]);
+    assert_eq!(steps[0][1][0].values, vec![3.0, 0.0, 0.0, 1.0, 0.0, 0.0]);
+    // P ≤ B: nothing compressed, exact bits
+    let steps = common::run_group_steps("xkv:group=2", &datas, 3);
+    assert_eq!(steps[0][0][0].keys, vec![2.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+    assert_eq!(steps[0][0][0].bits, vec![64; 3]);
+
+    // Budget → ranks (SmolLM2 on the real trace: P = 348, G = 4, 3 KV heads,
+    // d = 64, n = 768): R = ⌊2·B·n / (P + n)⌋, r_k = ⌊0.4·R⌋, r_v = R − r_k.
+    //   B = 32: R = ⌊49152 / 1116⌋ = 44 → (17, 27)
+    //   B = 128: R = ⌊196608 / 1116⌋ = 176 → (70, 106)
+    let x = kvreplay_replay::policies::xkv::Xkv {
+        group: 4,
+        rank_k: None,
+        rank_v: None,
+        v_share: 0.6,
+    };
+    assert_eq!(x.ranks(348, 32, 768), (17, 27));
+    assert_eq!(x.ranks(348, 128, 768), (70, 106));
+    // groups of G adjacent layers from layer 0, the top one smaller
+    use kvreplay_replay::Policy;
+    assert_eq!(
+        x.layer_groups(10, 32, 348),
+        vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7], vec![8, 9]]
+    );
+}
+
+#[test]
+fn triforce_retrieves_chunks_by_the_previous_query() {
+    // One head, d = 2, scale 1, P = 8, chunk c = 2: chunks {0,1} {2,3} {4,5}
+    // {6,7} with mean keys (0,0) (2,0) (0,2) (0,0) (keys (0,0) (0,0) | (1,0)
+    // (3,0) | (0,1) (0,3) | (1,1) (−1,−1)); decode keys (0,0). Chunk 0 is
+    // always first, then the others by q·mean (the later chunk on ties).
+    // Prefill, by the last prompt query q_7 = (1, 0): scores 2, 0, 0 →
+    //   order 0, 1, 3, 2 → B = 4 keeps {0, 1, 2, 3}.
+    // After step 8 (q_8 = (0, 1): scores 0, 2, 0 → order 0, 2, 3, 1), one
+    //   decode entry takes a slot: 3 prompt slots → {0, 1, 4} + {8}.
+    // After step 9 (q_9 = (−1, −1): scores −2, −2, 0 → order 0, 3, 2, 1),
+    //   2 slots → {0, 1} + {8, 9}.
+    // After step 10 (q_10 = (1, 0)), 1 slot → {0} + {8, 9, 10}.
+    let row = |x: f32, y: f32| vec![x, y];
+    let mut q = vec![row(0.0, 0.0); 11];
+    q[7] = row(1.0, 0.0);
+    q[8] = row(0.0, 1.0);
+    q[9] = row(-1.0, -1.0);
+    q[10] = row(1.0, 0.0);
+    let mut keys = vec![row(0.0, 0.0); 11];
+    keys[2] = row(1.0, 0.0);
+    keys[3] = row(3.0, 0.0);
+    keys[4] = row(0.0, 1.0);
+    keys[5] = row(0.0, 3.0);
+    keys[6] = row(1.0, 1.0);
+    keys[7] = row(-1.0, -1.0);
+    let vals: Vec<Vec<f32>> = (0..11).map(|i| row(i as f32, 1.0)).collect();
+    let data = explicit_layer(
+        std::slice::from_ref(&q),
+        std::slice::from_ref(&keys),
+        std::slice::from_ref(&vals),
+        8,
+        1.0,
+    );
+    let positions = |spec: &str| -> Vec<Vec<usize>> {
+        run_steps(spec, &data, 4)
+            .iter()
+            .map(|c| c[0].positions())
+            .collect()
+    };
+    assert_eq!(
+        positions("triforce:chunk=2"),
+        vec![
+            vec![0, 1, 2, 3],
+            vec![0, 1, 4, 8],
+            vec![0, 1, 8, 9],
+            vec![0, 8, 9, 10]
+        ]
+    );
+    // refresh = 2: step 8 keeps the prefill order (0, 1, 3, 2) → {0, 1, 2};
+    // step 9 re-retrieves with q_9 → {0, 1}; step 10 keeps that order → {0}
+    assert_eq!(
+        positions("triforce:chunk=2,refresh=2"),
+        vec![
+            vec![0, 1, 2, 3],
+            vec![0, 1, 2, 8],
+            vec![0, 1, 8, 9],
+            vec![0, 8, 9, 10]
+        ]
+    );
+    // decode_evict = false: retrieved once, decode entries appended
+    assert_eq!(
+        positions("triforce:chunk=2,decode_evict=false")[3],
+        vec![0, 1, 2, 3, 8, 9, 10]
+    );
+    // GQA: two query heads on the KV head, last prompt queries (1, 0) and
+    // (0, 3): summed scores 2, 6, 0 → order 0, 2, 1, 3 → {0, 1, 4, 5};
+    // one cache per query head: head 0 as above {0, 1, 2, 3}, head 1 scores
+    // 0, 6, 0 → order 0, 2, 3, 1 → {0, 1, 4, 5}
+    let mut q1 = q.clone();
+    q1[7] = row(0.0, 3.0);
+    let data = explicit_layer(&[q, q1], &[keys], &[vals], 8, 1.0);
+    assert_eq!(kept("triforce:chunk=2", &data, 4), vec![vec![0, 1, 4, 5]]);
+    assert_eq!(
+        kept("triforce:chunk=2,per_query_head=true", &data, 4),
+        vec![vec![0, 1, 2, 3], vec![0, 1, 4, 5]]
+    );
+}

@@ -1,0 +1,320 @@
+"""Independent NumPy transcriptions (float64) of kvcrush, lazyeviction, xkv
+and triforce (docs/methods/NAME.md), for scripts/reference_replay.py.
+
+- `PRESSES["kvcrush"]`: the kept prompt positions of one KV head (the
+  reference's prefill-only replay does the rest): H2O's recent ceil-half
+  window and top scores, with a share of the selections given to one
+  representative per Hamming bucket of the evicted positions.
+- `REPLAYS["lazyeviction"]`, `REPLAYS["xkv"]`, `REPLAYS["triforce"]`: whole
+  replays returning the mean (rel_l2, cosine, attn_mass, kl), for rules the
+  prefill-keep loop cannot express: LazyEviction's decode-time batches
+  (simulated step by step), xKV's cross-layer low-rank keys and values (every
+  position kept, the prompt's keys and values replaced by their rank-r
+  reconstruction) and TriForce's per-step retrieval (a kept mask per decode
+  query).
+
+Nothing here calls kvreplay; shared helpers are re-written, not imported.
+"""
+import numpy as np
+
+M64 = (1 << 64) - 1
+
+
+class SplitMix64:
+    """kvreplay's seeded generator (replay/src/policy.rs), in Python integers."""
+
+    def __init__(self, state):
+        self.s = state & M64
+
+    def next_u64(self):
+        self.s = (self.s + 0x9E3779B97F4A7C15) & M64
+        z = self.s
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+        return z ^ (z >> 31)
+
+    @staticmethod
+    def for_head(seed, layer, head):
+        a = SplitMix64(seed ^ 0x9E3779B97F4A7C15).next_u64() ^ ((layer * 0xBF58476D1CE4E5B9) & M64)
+        return SplitMix64(SplitMix64(a).next_u64() ^ ((head * 0x94D049BB133111EB) & M64))
+
+
+def top_k(scores, cand, k):
+    """The k best candidates by (score desc, position desc), ascending."""
+    cand = np.asarray(cand, dtype=int)
+    order = np.lexsort((-cand, -scores[cand]))
+    return np.sort(cand[order[:k]])
+
+
+def softmax_rows(logits, mask):
+    x = np.where(mask, logits, -np.inf)
+    x = x - x.max(axis=1, keepdims=True)
+    w = np.exp(x)
+    return w / w.sum(axis=1, keepdims=True)
+
+
+# ---------------------------------------------------------------- kvcrush
+
+def kvcrush_keep(colsum, heads, p, b, layer, g, share="0.25", bit="half", anchor="random", seed="0",
+                 recent=None, **_):
+    """Kept positions of KV head g: H2O (recent B//2, group-mean column sums)
+    keeps its top A - R, then one representative per Hamming bucket."""
+    r = b // 2 if recent is None else int(recent)
+    r = min(r, b)
+    cand = np.arange(p - r)
+    avg = b - r
+    reps = int(np.floor(float(share) * avg))
+    mean = colsum[list(heads)].mean(axis=0)
+    top = top_k(mean, cand, avg - reps)
+    keep = list(top) + list(range(p - r, p))
+    if reps > 0:
+        nh = colsum.shape[0]
+        sig = np.zeros((p, nh), dtype=int)
+        for h in range(nh):
+            s = colsum[h]
+            if bit == "half":
+                on = top_k(s, cand, len(cand) // 2)
+            else:
+                on = cand[s[cand] > s[cand].mean()]
+            sig[on, h] = 1
+        evicted = np.array(sorted(set(cand) - set(top)), dtype=int)
+        if anchor == "random":
+            rng = SplitMix64.for_head(int(seed), layer, g)
+            a = np.array([rng.next_u64() >> 63 for _ in range(nh)])
+        elif anchor == "mean":
+            a = (2 * sig[evicted].sum(axis=0) > len(evicted)).astype(int)
+        elif anchor == "zeros":
+            a = np.zeros(nh, dtype=int)
+        elif anchor == "ones":
+            a = np.ones(nh, dtype=int)
+        else:
+            a = np.arange(nh) % 2
+        dist = (sig[evicted] != a[None, :]).sum(axis=1)
+        order = evicted[np.lexsort((evicted, dist))]
+        k = min(reps, len(order))
+        step = len(order) // k
+        keep += [order[j * step] for j in range(k)]
+    return np.array(sorted(keep))
+
+
+# ---------------------------------------------------------------- metrics
+
+def step_metrics(p_full, o_f, p_comp, o_c, kept):
+    """Per-step (rel_l2, cosine, attn_mass, kl) of rows (n, T); kept (n, T) bool."""
+    diff = np.linalg.norm(o_c - o_f, axis=1)
+    nf = np.linalg.norm(o_f, axis=1)
+    nc = np.linalg.norm(o_c, axis=1)
+    rel = diff / np.maximum(nf, 1e-300)
+    cos = (o_c * o_f).sum(axis=1) / np.maximum(nf * nc, 1e-300)
+    mass = (p_full * kept).sum(axis=1)
+    pf = np.where(kept, p_full, 0) / mass[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kl = np.where(pf > 0, pf * np.log(pf / np.maximum(p_comp, np.finfo(float).tiny)), 0).sum(axis=1)
+    return np.array([rel.mean(), cos.mean(), mass.mean(), kl.mean()])
+
+
+def shape(man):
+    m = man["model"]
+    p = man["tokens"]["prompt_len"]
+    t_all = len(man["tokens"]["ids"])
+    return m, m["n_heads"], m["n_kv_heads"], m["attn_scale"], p, t_all
+
+
+# ---------------------------------------------------------------- lazyeviction
+
+def lazy_prompt(q, kg, heads, p, scale, alpha, rows):
+    """(last, mri) per prompt position after the last `rows` prompt rows as steps."""
+    js = np.arange(p - rows, p)
+    a = np.zeros((rows, p))
+    causal = np.arange(p)[None, :] <= js[:, None]
+    for h in heads:
+        a += softmax_rows(scale * q[h, js] @ kg[:p].T, causal)
+    a /= len(heads)
+    last = np.arange(p)
+    mri = np.zeros(p, dtype=int)
+    for x, j in enumerate(js):
+        hit = np.nonzero(a[x, : j + 1] > alpha / (j + 1))[0]
+        mri[hit] = np.maximum(mri[hit], j - last[hit])
+        last[hit] = j
+    return last, mri
+
+
+def lazy_replay(b, man, layers, window="16", alpha="1.0", rows="128", decode_evict="true", **_):
+    m, nh, nkv, scale, p, t_all = shape(man)
+    w, alpha = int(window), float(alpha)
+    rows = p if rows == "all" else min(int(rows), p)
+    group = nh // nkv
+    steps = np.arange(p, t_all)
+    causal = np.arange(t_all)[None, :] <= steps[:, None]
+    sums, count = np.zeros(4), 0
+    for lay in layers:
+        q, k, v = lay["q"], lay["k"], lay["v"]
+        for g in range(nkv):
+            heads = list(range(g * group, (g + 1) * group))
+            last_p, mri_p = lazy_prompt(q, k[g], heads, p, scale, alpha, rows)
+            r = min(w, b)
+            if p > b:
+                prio = -(p - 1 - last_p) / (mri_p + 1.0)
+                keep = list(top_k(prio, np.arange(p - r), b - r)) + list(range(p - r, p))
+            else:
+                keep = list(range(p))
+            last = np.zeros(t_all, dtype=int)
+            mri = np.zeros(t_all, dtype=int)
+            last[:p], mri[:p] = last_p, mri_p
+            n = len(steps)
+            p_comp = np.zeros((len(heads), n, t_all))
+            kept = np.zeros((n, t_all), bool)
+            for i, t in enumerate(steps):
+                keep.append(t)
+                last[t], mri[t] = t, 0
+                idx = np.array(keep)
+                logits = scale * q[heads][:, t, :] @ k[g, idx].T
+                a = np.exp(logits - logits.max(axis=1, keepdims=True))
+                a /= a.sum(axis=1, keepdims=True)
+                p_comp[:, i, idx] = a
+                kept[i, idx] = True
+                if decode_evict == "false":
+                    continue
+                am = a.mean(axis=0)
+                hit = idx[am > alpha / len(idx)]
+                mri[hit] = np.maximum(mri[hit], t - last[hit])
+                last[hit] = t
+                if len(keep) > b:
+                    for _ in range(min(w, len(keep) - r)):
+                        cand = np.array(keep[: len(keep) - r])
+                        prio = -(t - last[cand]) / (mri[cand] + 1.0)
+                        victim = cand[np.lexsort((cand, prio))[0]]
+                        keep.remove(victim)
+            for hi, h in enumerate(heads):
+                logits = scale * q[h, steps] @ k[g].T
+                p_full = softmax_rows(logits, causal)
+                sums += step_metrics(p_full, p_full @ v[g], p_comp[hi], p_comp[hi] @ v[g], kept)
+                count += 1
+    return sums / count
+
+
+# ---------------------------------------------------------------- xkv
+
+def rotate(x, rope, sign):
+    """RoPE rotation of rows x (P, d) at positions 0..P-1 by sign (+1 apply, -1 undo)."""
+    assert rope["scaling"]["type"] == "none", rope
+    p, d = x.shape
+    rot = rope["rotated_dims"]
+    half = rot // 2
+    ang = sign * np.arange(p)[:, None] * rope["theta"] ** (-2.0 * np.arange(half) / rot)[None, :]
+    c, s = np.cos(ang), np.sin(ang)
+    if rope["style"] == "neox":
+        i, j = np.arange(half), np.arange(half) + half
+    else:
+        i, j = 2 * np.arange(half), 2 * np.arange(half) + 1
+    out = x.copy()
+    out[:, i] = x[:, i] * c - x[:, j] * s
+    out[:, j] = x[:, i] * s + x[:, j] * c
+    return out
+
+
+def f16(x):
+    return x.astype(np.float32).astype(np.float16).astype(np.float64)
+
+
+def rank_r(x, r):
+    """Rank-r reconstruction from f16 factors U_r and S_r V_r^T (NumPy's SVD)."""
+    u, s, vt = np.linalg.svd(x, full_matrices=False)
+    return f16(u[:, :r]) @ f16(s[:r, None] * vt[:r])
+
+
+def xkv_replay(b, man, layers, group="4", rank_k="budget", rank_v="budget", v_share="0.6", **_):
+    m, nh, nkv, scale, p, t_all = shape(man)
+    grp = nh // nkv
+    d = m["head_dim"]
+    rope = m.get("rope")
+    steps = np.arange(p, t_all)
+    causal = np.arange(t_all)[None, :] <= steps[:, None]
+    size = int(group)
+    sums, count = np.zeros(4), 0
+    for first in range(0, len(layers), size):
+        members = layers[first:first + size]
+        ks = [lay["k"].copy() for lay in members]
+        vs = [lay["v"].copy() for lay in members]
+        if p > b:
+            n = len(members) * nkv * d
+            total = (2 * b * n) // (p + n)
+            rk = int(np.floor((1 - float(v_share)) * total))
+            rv = total - rk
+            rk = min(rk if rank_k == "budget" else int(rank_k), p, n)
+            rv = min(rv if rank_v == "budget" else int(rank_v), p, n)
+            pre = [[rotate(lay["k"][g, :p], rope, -1) if rope else lay["k"][g, :p] for g in range(nkv)]
+                   for lay in members]
+            xk = np.concatenate([pre[i][g] for i in range(len(members)) for g in range(nkv)], axis=1)
+            xv = np.concatenate([lay["v"][g, :p] for lay in members for g in range(nkv)], axis=1)
+            rk_x, rv_x = rank_r(xk, rk), rank_r(xv, rv)
+            for i in range(len(members)):
+                for g in range(nkv):
+                    cols = slice((i * nkv + g) * d, (i * nkv + g + 1) * d)
+                    kr = rk_x[:, cols]
+                    ks[i][g, :p] = rotate(kr, rope, 1) if rope else kr
+                    vs[i][g, :p] = rv_x[:, cols]
+        for i, lay in enumerate(members):
+            q = lay["q"]
+            for h in range(nh):
+                g = h // grp
+                p_full = softmax_rows(scale * q[h, steps] @ lay["k"][g].T, causal)
+                p_comp = softmax_rows(scale * q[h, steps] @ ks[i][g].T, causal)
+                sums += step_metrics(p_full, p_full @ lay["v"][g], p_comp, p_comp @ vs[i][g], causal)
+                count += 1
+    return sums / count
+
+
+# ---------------------------------------------------------------- triforce
+
+def triforce_replay(b, man, layers, chunk="8", refresh="1", per_query_head="false", decode_evict="true", **_):
+    """The retrieval draft: chunk 0, then chunks by descending q . mean key
+    (summed over the cache's query heads; later chunk on ties), the first
+    B - n_dec positions of that order plus the decode entries; the order is
+    recomputed from the query of the latest completed step every `refresh`
+    steps (the last prompt query before the first)."""
+    m, nh, nkv, scale, p, t_all = shape(man)
+    c, every = int(chunk), int(refresh)
+    grp = nh // nkv
+    steps = np.arange(p, t_all)
+    causal = np.arange(t_all)[None, :] <= steps[:, None]
+    nc = -(-p // c)
+    units = [[h] for h in range(nh)] if per_query_head == "true" else \
+        [list(range(g * grp, (g + 1) * grp)) for g in range(nkv)]
+    sums, count = np.zeros(4), 0
+    for lay in layers:
+        q, k, v = lay["q"], lay["k"], lay["v"]
+        for heads in units:
+            g = heads[0] // grp
+            means = np.stack([k[g, i * c:min((i + 1) * c, p)].mean(axis=0) for i in range(nc)])
+
+            def ranking(pos):
+                sc = (q[heads, pos] @ means.T).sum(axis=0)
+                rest = np.arange(1, nc)
+                rest = rest[np.lexsort((-rest, -sc[rest]))]
+                return np.concatenate([np.arange(i * c, min((i + 1) * c, p)) for i in [0, *rest]])
+
+            kept = np.zeros((len(steps), t_all), bool)
+            for i, t in enumerate(steps):
+                done = t - p  # completed decode steps before the query at t
+                if decode_evict == "true":
+                    last = (done // every) * every  # the latest refresh step (0: prefill)
+                    order = ranking(p - 1 if last == 0 else p + last - 1)
+                    n_dec = min(done, b)
+                    kept[i, order[: b - n_dec]] = True
+                    kept[i, t - n_dec:t] = True
+                else:
+                    kept[i, ranking(p - 1)[:b]] = True
+                    kept[i, p:t] = True
+                kept[i, t] = True
+            for h in heads:
+                logits = scale * q[h, steps] @ k[g].T
+                p_full = softmax_rows(logits, causal)
+                p_comp = softmax_rows(logits, kept)
+                sums += step_metrics(p_full, p_full @ v[g], p_comp, p_comp @ v[g], kept)
+                count += 1
+    return sums / count
+
+
+PRESSES = {"kvcrush": kvcrush_keep}
+REPLAYS = {"lazyeviction": lazy_replay, "xkv": xkv_replay, "triforce": triforce_replay}
