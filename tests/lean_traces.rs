@@ -106,12 +106,14 @@ fn lean_trace_is_3x_smaller_and_replays_every_policy_it_can_identically() {
     println!("identical on the lean trace: {same:?}");
     println!("refused on the lean trace: {refused:?}");
     // the policies that read every prompt query, and only they, are refused
-    // (`chunk`: its scorer reads the last rows of every prompt chunk;
+    // (`mikv`: its key-channel balancer takes max |q| over every prompt query;
+    // `chunk`: its scorer reads the last rows of every prompt chunk;
     // expected_attention's query statistics and compactor's non-causal
     // attention use every prompt query, as kvpress's presses do)
     assert_eq!(
         refused,
         [
+            "mikv",
             "chunk",
             "expected_attention",
             "compactor",
@@ -119,7 +121,7 @@ fn lean_trace_is_3x_smaller_and_replays_every_policy_it_can_identically() {
             "kvmerger:pivot=within_set"
         ]
     );
-    assert_eq!(same.len(), REGISTRY.len() - 3);
+    assert_eq!(same.len(), REGISTRY.len() - 4);
 
     // the CLI says so before any work
     let o = kvreplay(&[
