@@ -294,8 +294,11 @@ pub fn assign(points: &[(usize, u64)], setup: &[u64], count: usize) -> Assignmen
             },
         );
         current = lpt(&chunks);
-        let max = |l: &[u64]| l.iter().copied().max().unwrap_or(0);
-        if max(&current.1) < max(&best.1 .1) {
+        // a split that meets the target beats one that does not (a split
+        // pays a trace's setup again, so the total grows as well as the
+        // max shrinks); then the smaller max
+        let key = |l: &[u64]| (!within(l), l.iter().copied().max().unwrap_or(0));
+        if key(&current.1) < key(&best.1 .1) {
             best = (chunks.clone(), current.clone());
         }
     }
