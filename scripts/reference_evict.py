@@ -13,30 +13,9 @@ and triforce (docs/methods/NAME.md), for scripts/reference_replay.py.
   reconstruction) and TriForce's per-step retrieval (a kept mask per decode
   query).
 
-Nothing here calls kvreplay; shared helpers are re-written, not imported.
+Nothing here calls kvreplay; the seeded generator is reference_replay.py's.
 """
 import numpy as np
-
-M64 = (1 << 64) - 1
-
-
-class SplitMix64:
-    """kvreplay's seeded generator (replay/src/policy.rs), in Python integers."""
-
-    def __init__(self, state):
-        self.s = state & M64
-
-    def next_u64(self):
-        self.s = (self.s + 0x9E3779B97F4A7C15) & M64
-        z = self.s
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-        return z ^ (z >> 31)
-
-    @staticmethod
-    def for_head(seed, layer, head):
-        a = SplitMix64(seed ^ 0x9E3779B97F4A7C15).next_u64() ^ ((layer * 0xBF58476D1CE4E5B9) & M64)
-        return SplitMix64(SplitMix64(a).next_u64() ^ ((head * 0x94D049BB133111EB) & M64))
 
 
 def top_k(scores, cand, k):
@@ -79,6 +58,8 @@ def kvcrush_keep(colsum, heads, p, b, layer, g, share="0.25", bit="half", anchor
             sig[on, h] = 1
         evicted = np.array(sorted(set(cand) - set(top)), dtype=int)
         if anchor == "random":
+            from reference_replay import SplitMix64  # kvreplay's seeded generator
+
             rng = SplitMix64.for_head(int(seed), layer, g)
             a = np.array([rng.next_u64() >> 63 for _ in range(nh)])
         elif anchor == "mean":

@@ -99,6 +99,15 @@ impl Params {
         }
         Ok(x)
     }
+    /// An integer of at least 1; `msg` says why 0 is refused (e.g. "a chunk
+    /// holds at least one position").
+    pub fn int_positive(&self, key: &str, msg: &str) -> Result<usize, ReplayError> {
+        let n = self.int(key)?;
+        if n == 0 {
+            return Err(self.bad(key, msg.into()));
+        }
+        Ok(n)
+    }
     /// A number above 0.
     pub fn float_positive(&self, key: &str) -> Result<f64, ReplayError> {
         let x = self.float(key)?;

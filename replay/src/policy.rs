@@ -488,6 +488,28 @@ pub trait GroupDecodeState: Send {
 /// Independent per-layer states (the default grouping).
 pub struct PerLayer(pub Vec<Box<dyn DecodeState>>);
 
+impl PerLayer {
+    /// The decode state of a prefill-only group of `n` layers: every layer
+    /// appends its decode entries.
+    pub fn append_only(n: usize) -> Box<dyn GroupDecodeState> {
+        Box::new(PerLayer(
+            (0..n)
+                .map(|_| Box::new(AppendOnly) as Box<dyn DecodeState>)
+                .collect(),
+        ))
+    }
+}
+
+/// `prefill` of a prefill-only policy that compresses groups of layers
+/// (`prefill_group`), replayed on one layer as a group of its own.
+pub fn prefill_alone<P: Policy + ?Sized>(
+    policy: &P,
+    ctx: &PrefillCtx,
+) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
+    let (mut caches, _) = policy.prefill_group(std::slice::from_ref(ctx))?;
+    Ok((caches.remove(0), Box::new(AppendOnly)))
+}
+
 impl GroupDecodeState for PerLayer {
     fn step(&mut self, ctxs: &[StepCtx], caches: &mut [Vec<HeadCache>]) {
         for ((s, c), x) in self.0.iter_mut().zip(ctxs).zip(caches.iter_mut()) {

@@ -22,6 +22,31 @@ pub struct Unit {
     pub heads: Range<usize>,
 }
 
+/// The caches `s` scores at this layer: one per KV head, or one per query
+/// head for a per-query-head scorer.
+pub fn units(ctx: &PrefillCtx, s: &dyn Scorer) -> Vec<Unit> {
+    ctx.cache_units(s.per_query_head())
+        .into_iter()
+        .map(|(kv_head, heads)| Unit { kv_head, heads })
+        .collect()
+}
+
+/// A finished prefill: the layer's caches and their decode state.
+pub type Prefill = (Vec<HeadCache>, Box<dyn DecodeState>);
+
+/// The caches a prefill-only wrapper around `s` compresses, or (`Err`) the
+/// finished prefill when it compresses nothing at this layer: the prompt
+/// fits the budget (`P <= B`) or the scorer skips the layer, so every cache
+/// is kept whole and only appended to.
+pub fn units_to_compress(ctx: &PrefillCtx, s: &dyn Scorer) -> Result<Vec<Unit>, Prefill> {
+    let units = units(ctx, s);
+    if ctx.prompt_len() <= ctx.budget || s.skip_layer(ctx.layer()) {
+        let caches = units.iter().map(|u| ctx.full_cache(u.kv_head)).collect();
+        return Err((caches, Box::new(AppendOnly)));
+    }
+    Ok(units)
+}
+
 /// How much each prompt position of a layer is worth.
 pub trait Scorer: Send + Sync {
     /// Scores of `unit`'s prompt positions, indexed by position, higher kept.
@@ -323,11 +348,7 @@ impl Policy for TopK {
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
         let s = &*self.scorer;
         let (p, b) = (ctx.prompt_len(), ctx.budget);
-        let units: Vec<Unit> = ctx
-            .cache_units(s.per_query_head())
-            .into_iter()
-            .map(|(kv_head, heads)| Unit { kv_head, heads })
-            .collect();
+        let units = units(ctx, s);
         if s.skip_layer(ctx.layer()) {
             let caches = units.iter().map(|u| ctx.full_cache(u.kv_head)).collect();
             return Ok((caches, Box::new(AppendOnly)));

@@ -48,10 +48,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         default_scorer: "keydiff",
         scorer_defaults: &[],
         build: |p, scorer| {
-            let block = p.int("block_size")?;
-            if block == 0 {
-                return Err(ReplayError::BadParam { policy: "block".into(), key: "block_size".into(), value: "0".into(), msg: "a block holds at least one position".into() });
-            }
+            let block = p.int_positive("block_size", "a block holds at least one position")?;
             Ok(Arc::new(TopK::new("block", Arc::new(Block { inner: scorer, block }))))
         },
     },

@@ -27,7 +27,7 @@ use crate::params::{Kind, ParamInfo};
 use crate::policies::block::with_protected;
 use crate::policies::chunkkv::kvpress_kept;
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
-use crate::scorer::{Scorer, Unit};
+use crate::scorer::{units_to_compress, Scorer};
 use crate::select::top_k;
 use crate::ReplayError;
 
@@ -50,10 +50,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         default_scorer: "snapkv",
         scorer_defaults: &[],
         build: |p, scorer| {
-            let chunk = p.int("chunk_length")?;
-            if chunk == 0 {
-                return Err(ReplayError::BadParam { policy: "chunk".into(), key: "chunk_length".into(), value: "0".into(), msg: "a chunk holds at least one position".into() });
-            }
+            let chunk = p.int_positive("chunk_length", "a chunk holds at least one position")?;
             Ok(Arc::new(Chunk { scorer, chunk }))
         },
     },
@@ -101,15 +98,10 @@ impl Policy for Chunk {
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
         let s = &*self.scorer;
         let (p, b) = (ctx.prompt_len(), ctx.budget);
-        let units: Vec<Unit> = ctx
-            .cache_units(s.per_query_head())
-            .into_iter()
-            .map(|(kv_head, heads)| Unit { kv_head, heads })
-            .collect();
-        if p <= b || s.skip_layer(ctx.layer()) {
-            let caches = units.iter().map(|u| ctx.full_cache(u.kv_head)).collect();
-            return Ok((caches, Box::new(AppendOnly)));
-        }
+        let units = match units_to_compress(ctx, s) {
+            Ok(units) => units,
+            Err(whole) => return Ok(whole),
+        };
         let mut keep: Vec<Vec<usize>> = vec![Vec::new(); units.len()];
         for (j, n) in self.counts(p, b).into_iter().enumerate() {
             if n == 0 {

@@ -30,7 +30,7 @@ use crate::cache::HeadCache;
 use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
-use crate::scorer::{Scorer, Unit};
+use crate::scorer::{units_to_compress, Scorer};
 use crate::select::ranked;
 use crate::ReplayError;
 
@@ -53,10 +53,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         default_scorer: "snapkv",
         scorer_defaults: &[],
         build: |p, scorer| {
-            let chunk = p.int("chunk_length")?;
-            if chunk == 0 {
-                return Err(ReplayError::BadParam { policy: "chunkkv".into(), key: "chunk_length".into(), value: "0".into(), msg: "a chunk holds at least one position".into() });
-            }
+            let chunk = p.int_positive("chunk_length", "a chunk holds at least one position")?;
             Ok(Arc::new(ChunkKv { scorer, chunk }))
         },
     },
@@ -87,15 +84,10 @@ impl Policy for ChunkKv {
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
         let s = &*self.scorer;
         let (p, b) = (ctx.prompt_len(), ctx.budget);
-        let units: Vec<Unit> = ctx
-            .cache_units(s.per_query_head())
-            .into_iter()
-            .map(|(kv_head, heads)| Unit { kv_head, heads })
-            .collect();
-        if p <= b || s.skip_layer(ctx.layer()) {
-            let caches = units.iter().map(|u| ctx.full_cache(u.kv_head)).collect();
-            return Ok((caches, Box::new(AppendOnly)));
-        }
+        let units = match units_to_compress(ctx, s) {
+            Ok(units) => units,
+            Err(whole) => return Ok(whole),
+        };
         let prot = s.protect(b)?;
         if p < self.chunk {
             // no complete chunk: kvpress delegates to the scorer's own selection

@@ -53,13 +53,8 @@ pub static INFO: PolicyInfo = PolicyInfo {
             value: p.word(key).into(),
             msg: msg.into(),
         };
-        let (sketch, chunk) = (p.int("sketch")?, p.int("chunk")?);
-        if sketch == 0 {
-            return Err(bad("sketch", "the sketch needs at least one column"));
-        }
-        if chunk == 0 {
-            return Err(bad("chunk", "a chunk holds at least one position"));
-        }
+        let sketch = p.int_positive("sketch", "the sketch needs at least one column")?;
+        let chunk = p.int_positive("chunk", "a chunk holds at least one position")?;
         let blending = match p.word("blending") {
             "auto" => None,
             w => match w.parse::<f64>() {

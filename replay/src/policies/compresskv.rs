@@ -33,7 +33,7 @@ use crate::info::{Build, Caps, Family, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
 use crate::policies::retrieval_head::{head_scores, SpanChoice};
 use crate::policy::{
-    pool1d, AppendOnly, DecodeState, GroupDecodeState, PerLayer, Policy, Pool, PrefillCtx,
+    pool1d, prefill_alone, DecodeState, GroupDecodeState, PerLayer, Policy, Pool, PrefillCtx,
 };
 use crate::select::{keep_positions, Protect, Tie};
 use crate::ReplayError;
@@ -289,8 +289,7 @@ impl Policy for CompressKv {
         &self,
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        let (mut caches, _) = self.prefill_group(std::slice::from_ref(ctx))?;
-        Ok((caches.remove(0), Box::new(AppendOnly)))
+        prefill_alone(self, ctx)
     }
 
     fn prefill_group(
@@ -308,10 +307,6 @@ impl Policy for CompressKv {
                     .collect()
             })
             .collect();
-        let states = ctxs
-            .iter()
-            .map(|_| Box::new(AppendOnly) as Box<dyn DecodeState>)
-            .collect();
-        Ok((caches, Box::new(PerLayer(states))))
+        Ok((caches, PerLayer::append_only(ctxs.len())))
     }
 }

@@ -23,7 +23,7 @@ use crate::cache::HeadCache;
 use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::params::{Kind, ParamInfo, Params};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
-use crate::scorer::{Scorer, Unit};
+use crate::scorer::{units_to_compress, Scorer};
 use crate::select::{top_k, Protect, Tie};
 use crate::ReplayError;
 
@@ -131,15 +131,10 @@ impl Policy for Critical {
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
         let s = &*self.scorer;
         let (p, b) = (ctx.prompt_len(), ctx.budget);
-        let units: Vec<Unit> = ctx
-            .cache_units(s.per_query_head())
-            .into_iter()
-            .map(|(kv_head, heads)| Unit { kv_head, heads })
-            .collect();
-        if p <= b || s.skip_layer(ctx.layer()) {
-            let caches = units.iter().map(|u| ctx.full_cache(u.kv_head)).collect();
-            return Ok((caches, Box::new(AppendOnly)));
-        }
+        let units = match units_to_compress(ctx, s) {
+            Ok(units) => units,
+            Err(whole) => return Ok(whole),
+        };
         let prot = s.protect(b)?;
         let scores: Vec<Vec<f32>> = units.iter().map(|u| s.score(ctx, u)).collect();
         if b > prot.total() && scores.iter().any(|v| v.len() < p - prot.recent) {

@@ -37,15 +37,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     },
     test: "finch_weights_question_rows_by_position",
     build: Build::Scorer(|p| {
-        let w = p.int("question")?;
-        if w == 0 {
-            return Err(ReplayError::BadParam {
-                policy: p.policy.into(),
-                key: "question".into(),
-                value: "0".into(),
-                msg: "the question needs at least one position".into(),
-            });
-        }
+        let w = p.int_positive("question", "the question needs at least one position")?;
         Ok(Arc::new(Finch { w, normalize: p.bool("normalize")? }))
     }),
 };

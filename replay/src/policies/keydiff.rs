@@ -13,7 +13,6 @@ use crate::info::{Build, Caps, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{cosine, l2_norm, PrefillCtx};
 use crate::scorer::{Scorer, Unit};
-use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "keydiff",
@@ -26,15 +25,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     caps: Caps { approximation: Some("the default block-wise form is returned as eviction ranks: exact at the policy's own budget; inside adakv/pyramidkv the ranks come from the nominal B (use preset=kvpress there)"), ..Caps::EVICT_PREFILL },
     test: "keydiff_keeps_the_keys_least_like_the_anchor_block_by_block",
     build: Build::Scorer(|p| {
-        let block = p.int("block")?;
-        if block == 0 {
-            return Err(ReplayError::BadParam {
-                policy: p.policy.into(),
-                key: "block".into(),
-                value: "0".into(),
-                msg: "a block holds at least one position".into(),
-            });
-        }
+        let block = p.int_positive("block", "a block holds at least one position")?;
         let block = match p.word("preset") {
             "kvpress" => None,
             _ => Some(block),

@@ -29,7 +29,7 @@ use crate::cache::HeadCache;
 use crate::info::{Build, Caps, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
-use crate::scorer::{Scorer, Unit};
+use crate::scorer::{units_to_compress, Scorer, Unit};
 use crate::select::{keep_positions, top_k};
 use crate::ReplayError;
 
@@ -173,16 +173,11 @@ impl Policy for KvCrush {
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
         let s = &*self.scorer;
         let (p, b) = (ctx.prompt_len(), ctx.budget);
-        let units: Vec<Unit> = ctx
-            .cache_units(s.per_query_head())
-            .into_iter()
-            .map(|(kv_head, heads)| Unit { kv_head, heads })
-            .collect();
+        let units = match units_to_compress(ctx, s) {
+            Ok(units) => units,
+            Err(whole) => return Ok(whole),
+        };
         let prot = s.protect(b)?;
-        if p <= b || s.skip_layer(ctx.layer()) {
-            let caches = units.iter().map(|u| ctx.full_cache(u.kv_head)).collect();
-            return Ok((caches, Box::new(AppendOnly)));
-        }
         let avg = b - prot.total();
         let reps = (self.share * avg as f64).floor() as usize;
         let cand = prot.sinks..p - prot.recent;

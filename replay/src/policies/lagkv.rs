@@ -16,7 +16,6 @@ use crate::info::{Build, Caps, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::PrefillCtx;
 use crate::scorer::{Scorer, Unit};
-use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "lagkv",
@@ -30,15 +29,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     caps: Caps { approximation: Some("kvpress's one-shot form, not the paper's streaming compression partition by partition; sinks outrank the last partition when B cannot hold both"), ..Caps::EVICT_PREFILL },
     test: "lagkv_ranks_each_partition_against_the_next",
     build: Build::Scorer(|p| {
-        let lag = p.int("lag")?;
-        if lag == 0 {
-            return Err(ReplayError::BadParam {
-                policy: p.policy.into(),
-                key: "lag".into(),
-                value: lag.to_string(),
-                msg: "a partition holds at least one position".into(),
-            });
-        }
+        let lag = p.int_positive("lag", "a partition holds at least one position")?;
         Ok(Arc::new(LagKv { n_sink: p.int("n_sink")?, lag, cross_scoring: p.bool("cross_scoring")? }))
     }),
 };

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use crate::cache::HeadCache;
 use crate::info::{Build, Caps, Family, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
-use crate::policy::{AppendOnly, DecodeState, GroupDecodeState, PerLayer, Policy, PrefillCtx};
+use crate::policy::{prefill_alone, DecodeState, GroupDecodeState, PerLayer, Policy, PrefillCtx};
 use crate::ReplayError;
 
 pub static INFO: PolicyInfo = PolicyInfo {
@@ -199,8 +199,7 @@ impl Policy for WindowKv {
         &self,
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        let (mut caches, _) = self.prefill_group(std::slice::from_ref(ctx))?;
-        Ok((caches.remove(0), Box::new(AppendOnly)))
+        prefill_alone(self, ctx)
     }
 
     fn prefill_group(
@@ -223,10 +222,6 @@ impl Policy for WindowKv {
                     .collect()
             })
             .collect();
-        let states = ctxs
-            .iter()
-            .map(|_| Box::new(AppendOnly) as Box<dyn DecodeState>)
-            .collect();
-        Ok((caches, Box::new(PerLayer(states))))
+        Ok((caches, PerLayer::append_only(ctxs.len())))
     }
 }

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use crate::cache::{HeadCache, F16_BITS};
 use crate::info::{Build, Caps, Family, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
-use crate::policy::{AppendOnly, DecodeState, GroupDecodeState, PerLayer, Policy, PrefillCtx};
+use crate::policy::{prefill_alone, DecodeState, GroupDecodeState, PerLayer, Policy, PrefillCtx};
 use crate::ReplayError;
 use kvreplay_kernels::cpu::RopeCache;
 
@@ -482,8 +482,7 @@ impl Policy for Xkv {
         &self,
         ctx: &PrefillCtx,
     ) -> Result<(Vec<HeadCache>, Box<dyn DecodeState>), ReplayError> {
-        let mut c = self.compress(std::slice::from_ref(ctx))?;
-        Ok((c.remove(0), Box::new(AppendOnly)))
+        prefill_alone(self, ctx)
     }
     /// Adjacent layers, G at a time from layer 0 (the top group may be smaller).
     fn layer_groups(&self, n_layers: usize, _: usize, _: usize) -> Vec<Vec<usize>> {
@@ -498,11 +497,7 @@ impl Policy for Xkv {
         ctxs: &[PrefillCtx],
     ) -> Result<(Vec<Vec<HeadCache>>, Box<dyn GroupDecodeState>), ReplayError> {
         let caches = self.compress(ctxs)?;
-        let states: Vec<Box<dyn DecodeState>> = ctxs
-            .iter()
-            .map(|_| Box::new(AppendOnly) as Box<dyn DecodeState>)
-            .collect();
-        Ok((caches, Box::new(PerLayer(states))))
+        Ok((caches, PerLayer::append_only(ctxs.len())))
     }
 }
 
