@@ -4,7 +4,8 @@
 //! are stored at high precision, every other prompt position at low
 //! precision instead of being dropped.
 //!
-//! Rule (Yang et al. 2024, §3.1–3.2): per-token asymmetric round-to-nearest
+//! Rule (Yang et al. 2024; what was confirmed and what is ours:
+//! docs/methods/mikv.md): per-token asymmetric round-to-nearest
 //! quantisation, scale = (max − min)/(2^b − 1) and zero point = min per group
 //! of `group` channels (both stored in f16, KIVI's quantiser
 //! `kernels::cpu::fake_quant`); before the keys are quantised, the outlier
