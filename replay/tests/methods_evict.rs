@@ -86,55 +86,129 @@ fn kvcrush_keeps_one_representative_per_hamming_bucket() {
 
 #[test]
 fn lazyeviction_keeps_recurring_tokens_and_evicts_once_per_window() {
-    // Prefill. One head, d = 2, scale 1, P = 6. Keys: A = pos 0 (1, 0),
-    // B = pos 1 (0, 1), positions 2..5 (0, 0). Queries per row j:
-    //   j = 0, 1, 2, 5: (5, 0); j = 3: (0, 3); j = 4: (−1, −1).
-    // Attended: a > 1/n (α = 1, n = j + 1 keys seen).
-    //   row 0: A = 1 (not > 1)
-    //   row 1: A = e^5/(e^5 + 1) = .993 > .5 → A: MRI 1, last 1
-    //   row 2: A = .987 > .33 → A: MRI 1, last 2 (B, 2: .0067)
-    //   row 3: B = e^3/(e^3 + 3) = .870 > .25 → B: MRI 3 − 1 = 2, last 3 (A .043)
-    //   row 4: A, B e^−1/(2e^−1 + 3) = .098; 2, 3, 4: .268 > .2 →
-    //          2: MRI 2, last 4; 3: MRI 1, last 4; 4: MRI 0, last 4
-    //   row 5: A = e^5/(e^5 + 5) = .967 > .167 → A: MRI 5 − 2 = 3, last 5
-    // Priorities s = −(5 − last)/(MRI + 1): A 0, B −2/3, 2: −1/3, 3: −1/2,
-    // 4: −1 (5 is the window, W = 1).
-    //   B = 2 → {0, 5}; B = 3 → {0, 2, 5}; B = 4 → {0, 2, 3, 5};
-    //   B = 5 → {0, 1, 2, 3, 5}: B, silent for 2 steps but within its
-    //   longest gap, outranks 4, silent for 1 step but never recurring
-    //   (recency alone would keep 4).
-    let row = |x: f32, y: f32| vec![x, y];
-    let q = vec![vec![
-        row(5.0, 0.0),
-        row(5.0, 0.0),
-        row(5.0, 0.0),
-        row(0.0, 3.0),
-        row(-1.0, -1.0),
-        row(5.0, 0.0),
-    ]];
-    let mut keys = vec![row(0.0, 0.0); 6];
-    keys[0] = row(1.0, 0.0);
-    keys[1] = row(0.0, 1.0);
-    let vals = (0..6).map(|i| row(i as f32, 1.0)).collect();
-    let data = explicit_layer(&q, &[keys], &[vals], 6, 1.0);
-    let spec = "lazyeviction:window=1";
-    assert_eq!(kept(spec, &data, 2), vec![vec![0, 5]]);
-    assert_eq!(kept(spec, &data, 3), vec![vec![0, 2, 5]]);
-    assert_eq!(kept(spec, &data, 4), vec![vec![0, 2, 3, 5]]);
-    assert_eq!(kept(spec, &data, 5), vec![vec![0, 1, 2, 3, 5]]);
-    // rows = 2 observes rows 4 and 5 only: B's recurrence at row 3 is unseen
-    // (B: last 1, MRI 0 → −4), A recurs at row 5 after its creation (MRI 5,
-    // s 0); 2: MRI 2, last 4 → −1/3; 3: −1/2; 4: −1 → B = 5 keeps
-    // {0, 2, 3, 4, 5}
+    // Importance (docs/methods/lazyeviction.md), σ the logistic:
+    //   s = 2σ(−(1 + silence/(MRI + 1e-5))) + [MRI > 0]·2σ(−(MRI − 1)),
+    // silence = t − last. Values used below (2σ(−x) = 2/(1 + e^x)):
+    //   MRI 1, silence 0: .5379 + 1 = 1.5379   MRI 1, silence 1: .2384 + 1 = 1.2384
+    //   MRI 1, silence 2: .0949 + 1 = 1.0949   MRI 1, silence 3: .0360 + 1 = 1.0360
+    //   MRI 2, silence 0: .5379 + .5379 = 1.0758  MRI 2, silence 2: .2384 + .5379 = .7763
+    //   MRI 3, silence 0: .5379 + .2384 = .7763   MRI 6, silence 1: .4749 + .0134 = .4883
+    //   MRI 0 (never attended): e^(1 + silence·1e5) overflows, s = 0.
+    // Queries are 20·(sum of one-hot keys of a set S): each key of S gets
+    // 1/|S| (up to e^−20), every other key < 1e-8; α = 0.3 (absolute
+    // threshold a >= α), so exactly the keys of S with |S| <= 3 are attended.
+    let onehot = |d: usize, set: &[usize], x: f32| {
+        let mut r = vec![0.0; d];
+        set.iter().for_each(|&i| r[i] = x);
+        r
+    };
+    let keys = |t: usize| (0..t).map(|i| onehot(t, &[i], 1.0)).collect::<Vec<_>>();
+    // values (i, 1, 0, …) of the keys' dimension
+    let vals = |t: usize| {
+        (0..t)
+            .map(|i| {
+                let mut v = onehot(t, &[1], 1.0);
+                v[0] = i as f32;
+                v
+            })
+            .collect::<Vec<_>>()
+    };
+
+    // Prefill: one head, P = 8, rows = all (row j is step j + 1; position i
+    // starts at last = i, the step before its own, MRI 0), W = 1, t = 8.
+    //   S per row: 0 {0}, 1..3 {1}, 4 {1, 2}, 5 {1}, 6 {0}, 7 {2}
+    //   pos 0: step 1 → MRI 1, last 1; step 7 → MRI 6, last 7
+    //   pos 1: steps 2..6 → MRI 1, last 6 (attended at its own step: MRI 1)
+    //   pos 2: step 5 → MRI 3, last 5; step 8 → MRI 3, last 8
+    //   pos 3..6: never (MRI 0); pos 7: the window
+    // Official at t = 8: 1 (MRI 1, silent 2) 1.0949 > 2 (MRI 3, just
+    // attended) .7763 > 0 .4883 > 3..6 (0, ties: the later kept).
+    // score=ratio, −silence/(MRI + 1): 2 0 > 0 −1/7 > 1 −1 > 6 −2 > … > 3 −5.
+    let sets: [&[usize]; 8] = [&[0], &[1], &[1], &[1], &[1, 2], &[1], &[0], &[2]];
+    let q = vec![sets.iter().map(|s| onehot(8, s, 20.0)).collect()];
+    let data = explicit_layer(&q, &[keys(8)], &[vals(8)], 8, 1.0);
+    let off = "lazyeviction:window=1,alpha=0.3,rows=all";
+    let ratio = "lazyeviction:window=1,alpha=0.3,rows=all,score=ratio";
+    assert_eq!(kept(off, &data, 2), vec![vec![1, 7]]);
+    assert_eq!(kept(ratio, &data, 2), vec![vec![2, 7]]);
+    assert_eq!(kept(off, &data, 3), vec![vec![1, 2, 7]]);
+    assert_eq!(kept(ratio, &data, 3), vec![vec![0, 2, 7]]);
+    assert_eq!(kept(off, &data, 4), vec![vec![0, 1, 2, 7]]);
+    assert_eq!(kept(ratio, &data, 4), vec![vec![0, 1, 2, 7]]);
+    assert_eq!(kept(off, &data, 5), vec![vec![0, 1, 2, 6, 7]]);
+    // rows = 2 observes rows 6, 7 as steps 1, 2 (positions 0..6 start at
+    // last 0, position 7 at 1): 0 MRI 1 last 1 → 1.2384; 2 MRI 2 last 2 →
+    // 1.0758; the rest 0 → B = 2 {0, 7}, B = 3 {0, 2, 7}, B = 4 {0, 2, 6, 7}
+    let two = "lazyeviction:window=1,alpha=0.3,rows=2";
+    assert_eq!(kept(two, &data, 2), vec![vec![0, 7]]);
+    assert_eq!(kept(two, &data, 3), vec![vec![0, 2, 7]]);
+    assert_eq!(kept(two, &data, 4), vec![vec![0, 2, 6, 7]]);
+
+    // Decode, GQA and the new entry's start. One KV head read by two query
+    // heads, P = 4, T = 7, B = 4, W = 2, rows = 1: row 3 is step 1 (every
+    // prompt position starts at last 0), decode position pos is step pos − 2;
+    // the entry of step t starts at last t − 1, MRI 0.
+    //   step 1 (row 3): h0 S {0}, h1 S {3}
+    //   step 2 (pos 4): h0 S {0, 1, 4} (1/3 each), h1 S {1, 4}
+    //   step 3 (pos 5): S {5}; step 4 (pos 6): S {6} (both heads)
+    // Per head (MRI, last) after step 2:
+    //   h0: 0 (1, 2), 1 (2, 2), 2 (0, 0), 3 (0, 0), 4 (1, 2)
+    //   h1: 0 (0, 0), 1 (2, 2), 2 (0, 0), 3 (1, 1), 4 (1, 2)
+    // Step 2: 5 entries > B: keep the window {3, 4}, evict 2 of {0, 1, 2} by
+    // the heads' mean: 0 (1.5379 + 0)/2 = .7689, 1 1.0758, 2 0 → {1, 3, 4}.
+    // (Tracking the group-mean attention instead, 0's weight at step 2 is
+    // 1/6 < α: 0 would be MRI 1, last 1, 1.2384, and survive.)
+    // Step 3: {1, 3, 4, 5}. Step 4 (t = 4): window {5, 6}; 1 (2, 2): .7763;
+    // 3: (0 + 1.0360)/2 = .5180; 4 (1, 2) in both: 1.0949 → {4, 5, 6}: the
+    // token attended at its own step has MRI 1 (starting it at its own step
+    // with MRI 0 would leave it MRI 0, importance 0, and evict it).
+    let dsets: [[&[usize]; 2]; 7] = [
+        [&[0], &[0]],
+        [&[1], &[1]],
+        [&[2], &[2]],
+        [&[0], &[3]],
+        [&[0, 1, 4], &[1, 4]],
+        [&[5], &[5]],
+        [&[6], &[6]],
+    ];
+    let q: Vec<Vec<Vec<f32>>> = (0..2)
+        .map(|h| dsets.iter().map(|s| onehot(7, s[h], 20.0)).collect())
+        .collect();
+    let data = explicit_layer(&q, &[keys(7)], &[vals(7)], 4, 1.0);
+    let pos = |spec: &str| -> Vec<Vec<Vec<usize>>> {
+        run_steps(spec, &data, 4)
+            .iter()
+            .map(|cs| cs.iter().map(|c| c.positions()).collect())
+            .collect()
+    };
+    let spec = "lazyeviction:window=2,alpha=0.3,rows=1";
     assert_eq!(
-        kept("lazyeviction:window=1,rows=2", &data, 5),
-        vec![vec![0, 2, 3, 4, 5]]
+        pos(spec),
+        vec![
+            vec![vec![0, 1, 2, 3]],
+            vec![vec![1, 3, 4]],
+            vec![vec![1, 3, 4, 5]],
+            vec![vec![4, 5, 6]],
+        ]
+    );
+    // per_query_head: a cache per head on its own importance. Step 2: h0
+    // keeps 0 (1.5379 over 1 1.0758), h1 keeps 1. Step 4: h0 {0, 3, 4}: 0 and
+    // 4 tie at 1.0949 (MRI 1, last 2; the earlier goes), 3 is 0 → {4, 5, 6};
+    // h1 {1, 3, 4}: .7763, 1.0360, 1.0949 → {4, 5, 6}.
+    assert_eq!(
+        pos(&format!("{spec},per_query_head=true")),
+        vec![
+            vec![vec![0, 1, 2, 3], vec![0, 1, 2, 3]],
+            vec![vec![0, 3, 4], vec![1, 3, 4]],
+            vec![vec![0, 3, 4, 5], vec![1, 3, 4, 5]],
+            vec![vec![4, 5, 6], vec![4, 5, 6]],
+        ]
     );
 
-    // Decode, lazily. Every logit 0 (uniform attention) and α = 2: nothing is
-    // ever attended, so s = −(t − created) (MRI 0) and the oldest goes first.
-    // P = 4, T = 8, B = 3, W = 2: prefill keeps the window {2, 3} and the
-    // better of {0, 1} (s = −3, −2): {1, 2, 3}.
+    // Lazily: every logit 0 (uniform attention) and α = 2: nothing is ever
+    // attended, every importance is 0 and the tie rule alone decides (the
+    // later kept at prefill, the earlier evicted at decode).
+    // P = 4, T = 8, B = 3, W = 2: prefill keeps the window {2, 3} and 1.
     //   step 4: 4 entries > 3 → evict W = 2 outside the window {3, 4}: 1, 2
     //   step 5: {3, 4, 5} (no eviction); step 6: 4 entries → {5, 6}
     //   step 7: {5, 6, 7}: eviction every W = 2 steps, W entries at a time.
@@ -164,6 +238,9 @@ fn lazyeviction_keeps_recurring_tokens_and_evicts_once_per_window() {
             vec![5, 6, 7]
         ]
     );
+    // the uniform threshold (a > α/n) with α = 2 attends nothing either
+    let steps = run_steps("lazyeviction:window=2,alpha=2,threshold=uniform", &data, 3);
+    assert_eq!(steps[4][0].positions(), vec![5, 6, 7]);
 }
 
 #[test]
