@@ -103,72 +103,99 @@ def shape(man):
 
 # ---------------------------------------------------------------- lazyeviction
 
-def lazy_prompt(q, kg, heads, p, scale, alpha, rows):
-    """(last, mri) per prompt position after the last `rows` prompt rows as steps."""
-    js = np.arange(p - rows, p)
-    a = np.zeros((rows, p))
-    causal = np.arange(p)[None, :] <= js[:, None]
-    for h in heads:
-        a += softmax_rows(scale * q[h, js] @ kg[:p].T, causal)
-    a /= len(heads)
-    last = np.arange(p)
-    mri = np.zeros(p, dtype=int)
-    for x, j in enumerate(js):
-        hit = np.nonzero(a[x, : j + 1] > alpha / (j + 1))[0]
-        mri[hit] = np.maximum(mri[hit], j - last[hit])
-        last[hit] = j
-    return last, mri
+def lazy_hits(a, alpha, uniform, n):
+    """Attended entries of one step's weights a over n entries seen."""
+    return a > alpha / n if uniform else a >= alpha
 
 
-def lazy_replay(b, man, layers, window="16", alpha="1.0", rows="128", decode_evict="true", **_):
+def lazy_importance(last, mri, t, ratio):
+    """Importance of entries with (last, mri) at step t, float64."""
+    silence = (t - last).astype(float)
+    m = mri.astype(float)
+    if ratio:
+        return -silence / (m + 1.0)
+    with np.errstate(over="ignore"):
+        lag = 2.0 / (1.0 + np.exp(1.0 + silence / (m + 1e-5)))
+        period = np.where(m > 0, 2.0 / (1.0 + np.exp(m - 1.0)), 0.0)
+    return lag + period
+
+
+def lazy_rank(recs, idx, t, ratio):
+    """Group-mean importance of entries idx over the heads' (last, mri), as float32."""
+    total = np.zeros(len(idx))
+    for last, mri in recs:
+        total = total + lazy_importance(last[idx], mri[idx], t, ratio)
+    return (total / len(recs)).astype(np.float32)
+
+
+def lazy_replay(b, man, layers, window="16", alpha="1e-4", threshold="absolute", score="official",
+                rows="128", per_query_head="false", decode_evict="true", **_):
+    """Steps: prompt rows P-R..P-1 are steps 1..R, decode position t is step
+    t-(P-R)+1; an entry starts at (step before its own, 0), prompt positions
+    before the observed rows at (0, 0); attended: MRI = max(MRI, t - last),
+    last = t. Prefill keeps the W newest and the top B-W at step R (P > B);
+    decode evicts the W lowest outside the W newest when the cache exceeds B."""
     m, nh, nkv, scale, p, t_all = shape(man)
     w, alpha = int(window), float(alpha)
+    uniform, ratio = threshold == "uniform", score == "ratio"
     rows = p if rows == "all" else min(int(rows), p)
+    base = p - rows
     group = nh // nkv
+    if per_query_head == "true":
+        units = [(h // group, [h]) for h in range(nh)]
+    else:
+        units = [(g, list(range(g * group, (g + 1) * group))) for g in range(nkv)]
     steps = np.arange(p, t_all)
     causal = np.arange(t_all)[None, :] <= steps[:, None]
+    js = np.arange(base, p)
+    pcausal = np.arange(p)[None, :] <= js[:, None]
     sums, count = np.zeros(4), 0
     for lay in layers:
         q, k, v = lay["q"], lay["k"], lay["v"]
-        for g in range(nkv):
-            heads = list(range(g * group, (g + 1) * group))
-            last_p, mri_p = lazy_prompt(q, k[g], heads, p, scale, alpha, rows)
+        for g, heads in units:
+            recs = []
+            for h in heads:
+                last = np.zeros(t_all, dtype=np.int64)
+                last[:p] = np.maximum(np.arange(p) - base, 0)
+                mri = np.zeros(t_all, dtype=np.int64)
+                a = softmax_rows(scale * q[h, js] @ k[g, :p].T, pcausal)
+                for x, j in enumerate(js):
+                    t = x + 1
+                    hit = np.nonzero(lazy_hits(a[x, : j + 1], alpha, uniform, j + 1))[0]
+                    mri[hit] = np.maximum(mri[hit], t - last[hit])
+                    last[hit] = t
+                recs.append((last, mri))
             r = min(w, b)
             if p > b:
-                prio = -(p - 1 - last_p) / (mri_p + 1.0)
-                keep = list(top_k(prio, np.arange(p - r), b - r)) + list(range(p - r, p))
+                s = lazy_rank(recs, np.arange(p), rows, ratio)
+                keep = list(top_k(s, np.arange(p - r), b - r)) + list(range(p - r, p))
             else:
                 keep = list(range(p))
-            last = np.zeros(t_all, dtype=int)
-            mri = np.zeros(t_all, dtype=int)
-            last[:p], mri[:p] = last_p, mri_p
             n = len(steps)
             p_comp = np.zeros((len(heads), n, t_all))
             kept = np.zeros((n, t_all), bool)
-            for i, t in enumerate(steps):
-                keep.append(t)
-                last[t], mri[t] = t, 0
+            for i, pos in enumerate(steps):
+                t = pos - base + 1
+                keep.append(pos)
                 idx = np.array(keep)
-                logits = scale * q[heads][:, t, :] @ k[g, idx].T
-                a = np.exp(logits - logits.max(axis=1, keepdims=True))
-                a /= a.sum(axis=1, keepdims=True)
-                p_comp[:, i, idx] = a
+                for hi, h in enumerate(heads):
+                    logits = scale * q[h, pos] @ k[g, idx].T
+                    a = np.exp(logits - logits.max())
+                    a /= a.sum()
+                    p_comp[hi, i, idx] = a
+                    last, mri = recs[hi]
+                    last[pos], mri[pos] = t - 1, 0
+                    hit = idx[lazy_hits(a, alpha, uniform, len(idx))]
+                    mri[hit] = np.maximum(mri[hit], t - last[hit])
+                    last[hit] = t
                 kept[i, idx] = True
-                if decode_evict == "false":
-                    continue
-                am = a.mean(axis=0)
-                hit = idx[am > alpha / len(idx)]
-                mri[hit] = np.maximum(mri[hit], t - last[hit])
-                last[hit] = t
-                if len(keep) > b:
-                    for _ in range(min(w, len(keep) - r)):
-                        cand = np.array(keep[: len(keep) - r])
-                        prio = -(t - last[cand]) / (mri[cand] + 1.0)
-                        victim = cand[np.lexsort((cand, prio))[0]]
-                        keep.remove(victim)
+                if decode_evict == "true" and len(keep) > b:
+                    cand = idx[: len(idx) - r]
+                    s = lazy_rank(recs, cand, t, ratio)
+                    gone = set(cand[np.lexsort((cand, s))[: min(w, len(cand))]].tolist())
+                    keep = [e for e in keep if e not in gone]
             for hi, h in enumerate(heads):
-                logits = scale * q[h, steps] @ k[g].T
-                p_full = softmax_rows(logits, causal)
+                p_full = softmax_rows(scale * q[h, steps] @ k[g].T, causal)
                 sums += step_metrics(p_full, p_full @ v[g], p_comp[hi], p_comp[hi] @ v[g], kept)
                 count += 1
     return sums / count
