@@ -107,6 +107,7 @@ const EXTRA_SPECS: &[&str] = &[
     "kvcrush:scorer=snapkv,w=3,bit=mean,anchor=mean",
     "lazyeviction:window=2",
     "lazyeviction:window=1,alpha=0.5,decode_evict=false",
+    "lazyeviction:window=2,threshold=uniform,alpha=1,score=ratio,per_query_head=true",
     "xkv:group=2",
     "xkv:group=3,rank_k=2,rank_v=3",
     "triforce:chunk=2",
