@@ -36,6 +36,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import kvpress
 from kvpress import (
     AdaKVPress,
+    ChunkKVPress,
+    CURPress,
+    ExpectedAttentionPress,
+    KeyDiffPress,
+    LagKVPress,
     KnormPress,
     ObservedAttentionPress,
     PyramidKVPress,
@@ -59,6 +64,13 @@ PRESSES = [
     # column sum by the number of queries that see the key and keeps no recent
     # window: h2o's kvpress preset. Default form shown: h2o without a window.
     ("ObservedAttention", lambda r: ObservedAttentionPress(compression_ratio=r), "h2o:preset=kvpress", "h2o:recent=0,decode_evict=false", "eager"),
+    ("KeyDiff", lambda r: KeyDiffPress(compression_ratio=r), "keydiff:preset=kvpress", "keydiff", "sdpa"),
+    # presses whose kvreplay policy follows kvpress by default (no preset)
+    ("ObservedAttention", lambda r: ObservedAttentionPress(compression_ratio=r), "observed_attention", None, "eager"),
+    ("LagKV", lambda r: LagKVPress(compression_ratio=r), "lagkv", None, "sdpa"),
+    ("CUR", lambda r: CURPress(compression_ratio=r), "cur", None, "sdpa"),
+    ("ExpectedAttention", lambda r: ExpectedAttentionPress(compression_ratio=r), "expected_attention", None, "sdpa"),
+    ("ChunkKV(SnapKV)", lambda r: ChunkKVPress(press=SnapKVPress(compression_ratio=r)), "chunkkv:preset=kvpress", None, "sdpa"),
 ]
 
 WORDS = {
@@ -254,7 +266,7 @@ def main():
             t0 = time.time()
             kp, scores = run_press(model_for(attn), make(r), ids)
             budget = int(p * (1 - r))
-            out = os.path.join(a.work, f"replay-{name}-{r}".replace("(", "_").replace(")", ""))
+            out = os.path.join(a.work, f"replay-{len(rows)}")
             kr = replay_kept(a.kvreplay, trace, spec, budget, out, p)
             js = per_head_jaccard(kp, kr)
             gap = boundary_gap(kp, kr, scores) if name != "Random" else None
