@@ -178,6 +178,10 @@ fn kvcrush_keeps_one_representative_per_hamming_bucket() {
     assert_eq!(pick_ranks(Pick::Linspace, 6, 1), vec![0]);
     assert_eq!(pick_ranks(Pick::Linspace, 6, 0), Vec::<usize>::new());
 
+    // the references' windowed inner scores: SnapKV as the scorer
+    assert!(PolicySpec::parse("kvcrush:scorer=snapkv,w=8")
+        .and_then(|s| s.build())
+        .is_ok());
     // a decode-time inner scorer is refused
     assert!(PolicySpec::parse("kvcrush:decode_evict=true")
         .and_then(|s| s.build())
