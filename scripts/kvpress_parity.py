@@ -131,7 +131,8 @@ def run_press(model, press, ids):
     scores = {}
     orig = press.compress
     masked = isinstance(press, AdaKVPress)
-    scorer = press.press if masked else press
+    # wrappers score through their inner press (ChunkKV gathers whole chunks)
+    scorer = press.press if masked or isinstance(press, ChunkKVPress) else press
     orig_score = scorer.score
 
     def score(module, *args, **kw):
@@ -305,10 +306,23 @@ def write_doc(a, rows, p, versions):
     lines.append("")
     lines.append("| press | ratio | kvreplay spec | budget | mean Jaccard | min | identical (layer, KV head) | boundary gap of differing heads | kvreplay default form: mean Jaccard |")
     lines.append("|---|---|---|---|---|---|---|---|---|")
+    new = {}
     for name, r, spec, budget, mean, mn, exact, n, default, dmean, gap in rows:
         d = f"`{default}`: {dmean:.4f}" if default else "n/a"
         g = f"{gap:.1e}" if gap is not None else "n/a"
-        lines.append(f"| {name} | {r} | `{spec}` | {budget} | {mean:.4f} | {mn:.4f} | {exact}/{n} | {g} | {d} |")
+        new[(name, str(r), f"`{spec}`")] = f"| {name} | {r} | `{spec}` | {budget} | {mean:.4f} | {mn:.4f} | {exact}/{n} | {g} | {d} |"
+    if a.only and os.path.exists(a.doc):
+        # a partial run (--only) replaces its own rows and keeps the others
+        old = [l for l in open(a.doc).read().split("<!-- table -->")[-1].splitlines()
+               if l.startswith("| ") and not l.startswith("| press ")]
+        for l in old:
+            key = tuple(c.strip() for c in l.strip("|").split("|")[:3])
+            new.setdefault(key, l)
+        order = [(n, str(r), f"`{s}`") for n, _, s, _, _ in PRESSES for r in a.ratios.split(",")]
+        keys = sorted(new, key=lambda k: order.index(k) if k in order else len(order))
+    else:
+        keys = list(new)
+    lines.extend(new[k] for k in keys)
     lines.append("")
     lines.append("Boundary gap: over the (layer, KV head) pairs whose kept sets differ, the largest relative distance "
                  "between the kvpress score of a position kept by one side only and the lowest score kvpress kept in "
