@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import kvpress
 from kvpress import (
     AdaKVPress,
+    BlockPress,
     ChunkKVPress,
     CURPress,
     ExpectedAttentionPress,
@@ -71,6 +72,7 @@ PRESSES = [
     ("CUR", lambda r: CURPress(compression_ratio=r), "cur", None, "sdpa"),
     ("ExpectedAttention", lambda r: ExpectedAttentionPress(compression_ratio=r), "expected_attention", None, "sdpa"),
     ("ChunkKV(SnapKV)", lambda r: ChunkKVPress(press=SnapKVPress(compression_ratio=r)), "chunkkv:preset=kvpress", None, "sdpa"),
+    ("Block(KeyDiff)", lambda r: BlockPress(press=KeyDiffPress(compression_ratio=r), block_size=128), "block", None, "sdpa"),
 ]
 
 WORDS = {
@@ -131,8 +133,8 @@ def run_press(model, press, ids):
     scores = {}
     orig = press.compress
     masked = isinstance(press, AdaKVPress)
-    # wrappers score through their inner press (ChunkKV gathers whole chunks)
-    scorer = press.press if masked or isinstance(press, ChunkKVPress) else press
+    # wrappers score through their inner press (ChunkKV, Block)
+    scorer = press.press if masked or isinstance(press, (ChunkKVPress, BlockPress)) else press
     orig_score = scorer.score
 
     def score(module, *args, **kw):
