@@ -21,7 +21,7 @@ echo "== capturing the default suite with Gemma 3 270M into results/suite-gemma3
 "$kv" verify results/suite-gemma3/passkey-1024-d40.kvtrace
 # every registered method (the `sliding` wrapper is not one: see docs/methods/sliding.md)
 policies=$("$kv" policies | grep -E '^[a-z_0-9]+' -o | grep -vx sliding | tr '\n' ' ')
-echo "== sweeping every policy over budgets 32..1024 on each model (about 2-3 minutes)"
+echo "== sweeping every policy over budgets 32..1024 on each model (about 3-5 minutes each)"
 # shellcheck disable=SC2086
 "$kv" sweep --traces results/suite --policy $policies --budget 32,64,128,256,512,1024 --out results/sweep
 # shellcheck disable=SC2086

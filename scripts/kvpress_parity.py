@@ -36,6 +36,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import kvpress
 from kvpress import (
     AdaKVPress,
+    BlockPress,
+    ChunkKVPress,
+    CURPress,
+    ExpectedAttentionPress,
+    KeyDiffPress,
+    LagKVPress,
     KnormPress,
     ObservedAttentionPress,
     PyramidKVPress,
@@ -59,6 +65,14 @@ PRESSES = [
     # column sum by the number of queries that see the key and keeps no recent
     # window: h2o's kvpress preset. Default form shown: h2o without a window.
     ("ObservedAttention", lambda r: ObservedAttentionPress(compression_ratio=r), "h2o:preset=kvpress", "h2o:recent=0,decode_evict=false", "eager"),
+    ("KeyDiff", lambda r: KeyDiffPress(compression_ratio=r), "keydiff:preset=kvpress", "keydiff", "sdpa"),
+    # presses whose kvreplay policy follows kvpress by default (no preset)
+    ("ObservedAttention", lambda r: ObservedAttentionPress(compression_ratio=r), "observed_attention", None, "eager"),
+    ("LagKV", lambda r: LagKVPress(compression_ratio=r), "lagkv", None, "sdpa"),
+    ("CUR", lambda r: CURPress(compression_ratio=r), "cur", None, "sdpa"),
+    ("ExpectedAttention", lambda r: ExpectedAttentionPress(compression_ratio=r), "expected_attention", None, "sdpa"),
+    ("ChunkKV(SnapKV)", lambda r: ChunkKVPress(press=SnapKVPress(compression_ratio=r)), "chunkkv:preset=kvpress", None, "sdpa"),
+    ("Block(KeyDiff)", lambda r: BlockPress(press=KeyDiffPress(compression_ratio=r), block_size=128), "block", None, "sdpa"),
 ]
 
 WORDS = {
@@ -119,7 +133,8 @@ def run_press(model, press, ids):
     scores = {}
     orig = press.compress
     masked = isinstance(press, AdaKVPress)
-    scorer = press.press if masked else press
+    # wrappers score through their inner press (ChunkKV, Block)
+    scorer = press.press if masked or isinstance(press, (ChunkKVPress, BlockPress)) else press
     orig_score = scorer.score
 
     def score(module, *args, **kw):
@@ -254,7 +269,7 @@ def main():
             t0 = time.time()
             kp, scores = run_press(model_for(attn), make(r), ids)
             budget = int(p * (1 - r))
-            out = os.path.join(a.work, f"replay-{name}-{r}".replace("(", "_").replace(")", ""))
+            out = os.path.join(a.work, f"replay-{len(rows)}")
             kr = replay_kept(a.kvreplay, trace, spec, budget, out, p)
             js = per_head_jaccard(kp, kr)
             gap = boundary_gap(kp, kr, scores) if name != "Random" else None
@@ -293,10 +308,23 @@ def write_doc(a, rows, p, versions):
     lines.append("")
     lines.append("| press | ratio | kvreplay spec | budget | mean Jaccard | min | identical (layer, KV head) | boundary gap of differing heads | kvreplay default form: mean Jaccard |")
     lines.append("|---|---|---|---|---|---|---|---|---|")
+    new = {}
     for name, r, spec, budget, mean, mn, exact, n, default, dmean, gap in rows:
         d = f"`{default}`: {dmean:.4f}" if default else "n/a"
         g = f"{gap:.1e}" if gap is not None else "n/a"
-        lines.append(f"| {name} | {r} | `{spec}` | {budget} | {mean:.4f} | {mn:.4f} | {exact}/{n} | {g} | {d} |")
+        new[(name, str(r), f"`{spec}`")] = f"| {name} | {r} | `{spec}` | {budget} | {mean:.4f} | {mn:.4f} | {exact}/{n} | {g} | {d} |"
+    if a.only and os.path.exists(a.doc):
+        # a partial run (--only) replaces its own rows and keeps the others
+        old = [l for l in open(a.doc).read().split("<!-- table -->")[-1].splitlines()
+               if l.startswith("| ") and not l.startswith("| press ")]
+        for l in old:
+            key = tuple(c.strip() for c in l.strip("|").split("|")[:3])
+            new.setdefault(key, l)
+        order = [(n, str(r), f"`{s}`") for n, _, s, _, _ in PRESSES for r in a.ratios.split(",")]
+        keys = sorted(new, key=lambda k: order.index(k) if k in order else len(order))
+    else:
+        keys = list(new)
+    lines.extend(new[k] for k in keys)
     lines.append("")
     lines.append("Boundary gap: over the (layer, KV head) pairs whose kept sets differ, the largest relative distance "
                  "between the kvpress score of a position kept by one side only and the lowest score kvpress kept in "

@@ -2,9 +2,10 @@
 and triforce (docs/methods/NAME.md), for scripts/reference_replay.py.
 
 - `PRESSES["kvcrush"]`: the kept prompt positions of one KV head (the
-  reference's prefill-only replay does the rest): H2O's recent ceil-half
-  window and top scores, with a share of the selections given to one
-  representative per Hamming bucket of the evicted positions.
+  reference's prefill-only replay does the rest): H2O's recent window and
+  top scores, with a share of the selections given to representatives of
+  the evicted positions picked along their Hamming distance to the layer's
+  anchor.
 - `REPLAYS["lazyeviction"]`, `REPLAYS["xkv"]`, `REPLAYS["triforce"]`: whole
   replays returning the mean (rel_l2, cosine, attn_mass, kl), for rules the
   prefill-keep loop cannot express: LazyEviction's decode-time batches
@@ -34,10 +35,26 @@ def softmax_rows(logits, mask):
 
 # ---------------------------------------------------------------- kvcrush
 
+def kvcrush_pick(pick, n, k):
+    """Ranks kept of n distance-sorted evicted positions: OpenVINO's i * (n // k),
+    or vLLM's torch.linspace(0, n - 1, k, dtype=torch.long) as PyTorch's CPU
+    kernel computes it (float64 step, the second half counted back from the
+    end, truncated)."""
+    if k == 0:
+        return []
+    if pick == "step":
+        return [i * (n // k) for i in range(k)]
+    if k == 1:
+        return [0]
+    step = float(n - 1) / float(k - 1)
+    return [int(i * step) if i < k // 2 else int(float(n - 1) - (k - 1 - i) * step) for i in range(k)]
+
+
 def kvcrush_keep(colsum, heads, p, b, layer, g, share="0.25", bit="half", anchor="random", seed="0",
-                 recent=None, **_):
+                 bits_per="kv", pick="step", recent=None, **_):
     """Kept positions of KV head g: H2O (recent B//2, group-mean column sums)
-    keeps its top A - R, then one representative per Hamming bucket."""
+    keeps its top A - R, then R representatives of its evicted positions by
+    Hamming distance to the layer's anchor."""
     r = b // 2 if recent is None else int(recent)
     r = min(r, b)
     cand = np.arange(p - r)
@@ -48,33 +65,39 @@ def kvcrush_keep(colsum, heads, p, b, layer, g, share="0.25", bit="half", anchor
     keep = list(top) + list(range(p - r, p))
     if reps > 0:
         nh = colsum.shape[0]
-        sig = np.zeros((p, nh), dtype=int)
-        for h in range(nh):
-            s = colsum[h]
+        gs = len(heads)
+        if bits_per == "kv":  # one bit per KV head: its group's mean column sums
+            unit_scores = [colsum[k * gs:(k + 1) * gs].mean(axis=0) for k in range(nh // gs)]
+        else:  # one bit per query head
+            unit_scores = [colsum[h] for h in range(nh)]
+        nu = len(unit_scores)
+        sig = np.zeros((p, nu), dtype=int)
+        for u, s in enumerate(unit_scores):
             if bit == "half":
                 on = top_k(s, cand, len(cand) // 2)
             else:
                 on = cand[s[cand] > s[cand].mean()]
-            sig[on, h] = 1
-        evicted = np.array(sorted(set(cand) - set(top)), dtype=int)
+            sig[on, u] = 1
+        ones = sig[cand].sum(axis=0)  # per unit, over all candidates
         if anchor == "random":
             from reference_replay import SplitMix64  # kvreplay's seeded generator
 
-            rng = SplitMix64.for_head(int(seed), layer, g)
-            a = np.array([rng.next_u64() >> 63 for _ in range(nh)])
+            rng = SplitMix64.for_head(int(seed), layer, 0)  # one anchor per layer
+            a = np.array([rng.next_u64() >> 63 for _ in range(nu)])
         elif anchor == "mean":
-            a = (2 * sig[evicted].sum(axis=0) > len(evicted)).astype(int)
+            a = (ones / len(cand) > 0.5).astype(int)
+        elif anchor == "inv_mean":
+            a = (ones / len(cand) < 0.5).astype(int)
         elif anchor == "zeros":
-            a = np.zeros(nh, dtype=int)
+            a = np.zeros(nu, dtype=int)
         elif anchor == "ones":
-            a = np.ones(nh, dtype=int)
+            a = np.ones(nu, dtype=int)
         else:
-            a = np.arange(nh) % 2
+            a = np.arange(nu) % 2
+        evicted = np.array(sorted(set(cand) - set(top)), dtype=int)
         dist = (sig[evicted] != a[None, :]).sum(axis=1)
         order = evicted[np.lexsort((evicted, dist))]
-        k = min(reps, len(order))
-        step = len(order) // k
-        keep += [order[j * step] for j in range(k)]
+        keep += [order[j] for j in kvcrush_pick(pick, len(order), min(reps, len(order)))]
     return np.array(sorted(keep))
 
 

@@ -717,7 +717,10 @@ fn evict_methods_match_the_numpy_reference() {
         &[
             "kvcrush",
             "kvcrush:anchor=mean",
-            "kvcrush:bit=mean",
+            "kvcrush:anchor=inv_mean,bit=mean",
+            "kvcrush:bits_per=query",
+            "kvcrush:bits_per=query,anchor=mean,bit=mean",
+            "kvcrush:pick=linspace",
             "kvcrush:share=0.5",
             "kvcrush:seed=5",
             "lazyeviction",

@@ -239,10 +239,14 @@ impl Plan {
     /// Whether `other` sweeps the same traces (compared as canonical paths,
     /// so `./a` and `/abs/a` are one trace), policies and budgets.
     pub fn same_sweep(&self, other: &Plan) -> bool {
+        self.policies == other.policies && self.budgets == other.budgets && self.same_traces(other)
+    }
+
+    /// Whether `other` sweeps the same traces, in the same order (compared
+    /// as canonical paths).
+    pub fn same_traces(&self, other: &Plan) -> bool {
         let canon = |p: &PathBuf| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone());
-        self.policies == other.policies
-            && self.budgets == other.budgets
-            && self.traces.len() == other.traces.len()
+        self.traces.len() == other.traces.len()
             && self
                 .traces
                 .iter()
@@ -634,9 +638,10 @@ fn check_device(out: &Path, old: &Plan, plan: &Plan) -> Result<(), SweepError> {
     )))
 }
 
-/// Create `out` for `plan`, or check that it already holds the same sweep.
-/// Returns a notice per trace recaptured since the folder was made: its
-/// points are invalidated (deleted) and computed again.
+/// Create `out` for `plan`, or check that it already holds a sweep of the
+/// same traces. Returns a notice when the policies or budgets changed (the
+/// points both plans share are reused) and one per trace recaptured since the
+/// folder was made (its points are invalidated, deleted, and computed again).
 fn prepare(out: &Path, plan: &Plan) -> Result<Vec<String>, SweepError> {
     std::fs::create_dir_all(out.join("points")).map_err(io(out))?;
     let path = out.join("plan.json");
@@ -657,13 +662,32 @@ fn prepare(out: &Path, plan: &Plan) -> Result<Vec<String>, SweepError> {
         ))
     })?;
     check_device(out, &old, plan)?;
-    if !plan.same_sweep(&old) {
+    if !plan.same_traces(&old) {
         return Err(SweepError::Plan(format!(
-            "{} holds a different sweep (traces, policies or budgets differ); use another --out or remove it",
+            "{} holds a sweep of other traces; use another --out or remove it",
             out.display()
         )));
     }
     let mut notices = Vec::new();
+    if !plan.same_sweep(&old) {
+        // more or other policies or budgets on the same traces: a point's file
+        // is named by its (trace, policy, budget), so the finished points the
+        // new plan shares are reused as they are
+        let kept: std::collections::HashSet<String> =
+            plan.points().iter().map(|p| plan.point_id(p)).collect();
+        let shared = old
+            .points()
+            .iter()
+            .filter(|p| kept.contains(&old.point_id(p)))
+            .count();
+        notices.push(format!(
+            "{}: the sweep's policies or budgets changed ({} points before, {} now, {shared} in both); \
+             finished points of both are reused, the CSVs cover the new plan",
+            out.display(),
+            old.points().len(),
+            plan.points().len()
+        ));
+    }
     for i in plan.changed_traces(&old) {
         let mut gone = 0;
         if !old.trace_ids.is_empty() {
@@ -790,8 +814,9 @@ pub struct RunReport {
     pub complete: bool,
     /// Points of the whole plan recorded as failed (listed in `failed.csv`).
     pub failed: Vec<FailedPoint>,
-    /// Traces recaptured since the folder was made, whose points were redone.
-    pub invalidated: Vec<String>,
+    /// What changed since the folder was made: a trace recaptured (its
+    /// points redone), or the plan's policies or budgets (shared points reused).
+    pub notices: Vec<String>,
 }
 
 /// Run the points of `plan` that belong to `shard` and are not done yet, on
@@ -865,7 +890,7 @@ pub fn run_opts(
         )));
     }
     let _lock = lock_with(out, shard, opts.wait)?;
-    let invalidated = prepare(out, plan)?;
+    let notices = prepare(out, plan)?;
     let mine: Vec<Point> = match shard {
         None => plan.points(),
         Some(s) => {
@@ -946,7 +971,7 @@ pub fn run_opts(
         reused,
         complete,
         failed,
-        invalidated,
+        notices,
     })
 }
 

@@ -146,7 +146,7 @@ fn bad_plans_fail_before_any_work() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("nope"), "{e}");
-    // A folder holding another sweep is not silently mixed with this one.
+    // A folder holding a sweep of other traces is not silently mixed with this one.
     let out = tmp.path().join("out");
     run(
         &Plan::new(std::slice::from_ref(&a), &["h2o".into()], &[4]).unwrap(),
@@ -155,15 +155,16 @@ fn bad_plans_fail_before_any_work() {
         &mut |_, _, _| {},
     )
     .unwrap();
+    let b = write_trace(tmp.path(), "b.kvtrace", 2, 30, 34);
     let e = run(
-        &Plan::new(&[a], &["h2o".into()], &[8]).unwrap(),
+        &Plan::new(&[a, b], &["h2o".into()], &[4]).unwrap(),
         &out,
         None,
         &mut |_, _, _| {},
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("holds a different sweep"), "{e}");
+    assert!(e.contains("holds a sweep of other traces"), "{e}");
     let e = "3/3".parse::<Shard>().unwrap_err();
     assert!(e.contains("i/n"), "{e}");
 }
@@ -258,12 +259,12 @@ fn a_recaptured_trace_invalidates_its_points_and_only_those() {
     let plan = Plan::new(&[a.clone(), b.clone()], &specs, &[4, 8]).unwrap();
     let r = run(&plan, &out, None, &mut |_, _, _| {}).unwrap();
     assert_eq!((r.ran, r.reused), (4, 4), "a's 4 points redone, b's kept");
-    assert_eq!(r.invalidated.len(), 1, "{:?}", r.invalidated);
+    assert_eq!(r.notices.len(), 1, "{:?}", r.notices);
     assert!(
-        r.invalidated[0].contains("a.kvtrace")
-            && r.invalidated[0].contains("4 of its finished points invalidated"),
+        r.notices[0].contains("a.kvtrace")
+            && r.notices[0].contains("4 of its finished points invalidated"),
         "{}",
-        r.invalidated[0]
+        r.notices[0]
     );
     assert_ne!(files(&out), old, "the stale numbers are gone");
     // the same as a sweep that never saw the old capture
@@ -275,6 +276,38 @@ fn a_recaptured_trace_invalidates_its_points_and_only_those() {
         8,
         "no stale point file is left behind"
     );
+}
+
+#[test]
+fn more_policies_or_budgets_on_the_same_traces_reuse_the_finished_points() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = write_trace(tmp.path(), "a.kvtrace", 1, 40, 46);
+    let b = write_trace(tmp.path(), "b.kvtrace", 2, 30, 34);
+    let traces = [a, b];
+    let out = tmp.path().join("out");
+    let small = Plan::new(&traces, &["h2o".into()], &[4, 8]).unwrap();
+    run(&small, &out, None, &mut |_, _, _| {}).unwrap();
+    // two more policies and one more budget: only the new points run
+    let specs = ["snapkv:w=4".to_string(), "h2o".to_string(), "tova".to_string()];
+    let grown = Plan::new(&traces, &specs, &[4, 8, 16]).unwrap();
+    let r = run(&grown, &out, None, &mut |_, _, _| {}).unwrap();
+    assert_eq!((r.points, r.ran, r.reused), (18, 14, 4));
+    assert_eq!(r.notices.len(), 1, "{:?}", r.notices);
+    assert!(
+        r.notices[0].contains("4 points before, 18 now, 4 in both"),
+        "{}",
+        r.notices[0]
+    );
+    // the CSVs are those of the grown plan run in one go
+    let fresh = tmp.path().join("fresh");
+    run(&grown, &fresh, None, &mut |_, _, _| {}).unwrap();
+    assert_eq!(files(&out), files(&fresh));
+    // and back to the small plan: nothing to run, its CSVs again
+    let r = run(&small, &out, None, &mut |_, _, _| {}).unwrap();
+    assert_eq!((r.ran, r.reused), (0, 4));
+    let only = tmp.path().join("only");
+    run(&small, &only, None, &mut |_, _, _| {}).unwrap();
+    assert_eq!(files(&out), files(&only));
 }
 
 #[test]

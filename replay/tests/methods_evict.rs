@@ -16,68 +16,172 @@ fn kept(spec: &str, data: &LayerData, budget: usize) -> Vec<Vec<usize>> {
 
 #[test]
 fn kvcrush_keeps_one_representative_per_hamming_bucket() {
-    // One KV head read by two query heads (H = 2 signature bits), P = 8,
-    // B = 4, inner scorer H2O with recent = 0 (its column sums, set here):
+    use kvreplay_replay::policies::kvcrush::{pick_ranks, Pick};
+    use kvreplay_replay::policy::SplitMix64;
+
+    // Every case: P = 8, B = 4, inner scorer H2O with recent = 0 (its column
+    // sums, set here), share = .5: A = 4, R = 2, the scorer's top 2 kept and
+    // the n = 6 evicted positions E sorted by (Hamming distance, position);
+    // pick=step keeps ranks 0 and ⌊6/2⌋ = 3, pick=linspace ranks 0 and 5.
+    let spec = |rest: &str| format!("kvcrush:recent=0,share=0.5,{rest}");
+
+    // Layer A: one KV head read by two query heads h0, h1:
     //   pos   0   1   2   3   4   5   6   7
     //   h0   10   1   6   0   7   2   0   8
     //   h1   10   9   0   1   7   2   3   0
     //   mean 10   5   3  .5   7   2 1.5   4
-    // share = .5: R = 2 representatives, the top 2 by the mean: {0, 4};
-    // evicted E = {1, 2, 3, 5, 6, 7}.
-    // bit=half: head h's top 4 of the 8 candidates: h0 {0, 2, 4, 7},
-    // h1 {0, 1, 4, 6}; signatures (h0, h1) of E:
-    //   1: 01, 2: 10, 3: 00, 5: 00, 6: 01, 7: 10.
-    // |E| = 6, R = 2: buckets of s = 3 ranks, ranks 0 and 3 kept.
-    //   zeros: (dist, pos) sorted (0,3) (0,5) (1,1) (1,2) (1,6) (1,7) → 3, 2
-    //   ones:  (1,1) (1,2) (1,6) (1,7) (2,3) (2,5) → 1, 7
-    //   mean:  the majority bit of E is 0 for both heads (2 of 6) → as zeros
-    //   alternate (h1 set): (0,1) (0,6) (1,3) (1,5) (2,2) (2,7) → 1, 5
-    let mut data = simple_layer(&[vec![0.0; 10]], 2, 8, 0, 1);
-    data.colsum = vec![
+    // top 2 by the mean: {0, 4}; E = {1, 2, 3, 5, 6, 7}.
+    let mut a = simple_layer(&[vec![0.0; 10]], 2, 8, 0, 1);
+    a.colsum = vec![
         10.0, 1.0, 6.0, 0.0, 7.0, 2.0, 0.0, 8.0, //
         10.0, 9.0, 0.0, 1.0, 7.0, 2.0, 3.0, 0.0,
     ];
-    let spec = |rest: &str| format!("kvcrush:recent=0,share=0.5,{rest}");
+    // bits_per=kv (default): one bit, the top 4 of the mean {0, 4, 1, 7};
+    // E's bits 1: 1, 2: 0, 3: 0, 5: 0, 6: 0, 7: 1.
+    //   zeros: (0,2) (0,3) (0,5) (0,6) (1,1) (1,7) → ranks 0, 3: 2, 6
+    //   ones:  (0,1) (0,7) (1,2) (1,3) (1,5) (1,6) → 1, 3
+    //   mean / inv_mean: the bit is set on exactly 4 of the 8 candidates,
+    //   neither a strict majority nor a strict minority → 0 → as zeros
+    assert_eq!(kept(&spec("anchor=zeros"), &a, 4), vec![vec![0, 2, 4, 6]]);
+    assert_eq!(kept(&spec("anchor=ones"), &a, 4), vec![vec![0, 1, 3, 4]]);
+    assert_eq!(kept(&spec("anchor=mean"), &a, 4), vec![vec![0, 2, 4, 6]]);
     assert_eq!(
-        kept(&spec("anchor=zeros"), &data, 4),
-        vec![vec![0, 2, 3, 4]]
+        kept(&spec("anchor=inv_mean"), &a, 4),
+        vec![vec![0, 2, 4, 6]]
     );
-    assert_eq!(kept(&spec("anchor=ones"), &data, 4), vec![vec![0, 1, 4, 7]]);
-    assert_eq!(kept(&spec("anchor=mean"), &data, 4), vec![vec![0, 2, 3, 4]]);
+    // bits_per=query: bit h = head h's top 4 of the 8 candidates: h0
+    // {0, 2, 4, 7}, h1 {0, 1, 4, 6}; signatures (h0, h1) of E:
+    //   1: 01, 2: 10, 3: 00, 5: 00, 6: 01, 7: 10.
+    //   zeros: (0,3) (0,5) (1,1) (1,2) (1,6) (1,7) → 3, 2
+    //   ones:  (1,1) (1,2) (1,6) (1,7) (2,3) (2,5) → 1, 7
+    //   mean over all candidates: each bit on 4 of 8 → 00 → as zeros
+    //   (the evicted set alone would give 00 too: 2 of 6)
+    //   alternate (h1 set): (0,1) (0,6) (1,3) (1,5) (2,2) (2,7) → 1, 5
+    let q = |rest: &str| spec(&format!("bits_per=query,{rest}"));
+    assert_eq!(kept(&q("anchor=zeros"), &a, 4), vec![vec![0, 2, 3, 4]]);
+    assert_eq!(kept(&q("anchor=ones"), &a, 4), vec![vec![0, 1, 4, 7]]);
+    assert_eq!(kept(&q("anchor=mean"), &a, 4), vec![vec![0, 2, 3, 4]]);
+    assert_eq!(kept(&q("anchor=alternate"), &a, 4), vec![vec![0, 1, 4, 5]]);
+    // bits_per=query, bit=mean: h0's mean 4.25 → {0, 2, 4, 7} (4 of 8);
+    // h1's mean 4 → {0, 1, 4} (3 of 8, a strict minority). E's signatures
+    // 1: 01, 2: 10, 3: 00, 5: 00, 6: 00, 7: 10.
+    //   zeros = mean (00): (0,3) (0,5) (0,6) (1,1) (1,2) (1,7) → 3, 1
+    //   inv_mean (01): (0,1) (1,3) (1,5) (1,6) (2,2) (2,7) → 1, 6
     assert_eq!(
-        kept(&spec("anchor=alternate"), &data, 4),
-        vec![vec![0, 1, 4, 5]]
-    );
-    // bit=mean: h0's mean 4.25 → {0, 2, 4, 7}; h1's mean 4 → {0, 1, 4}
-    // (6 loses its bit): zeros → (0,3) (0,5) (0,6) (1,1) (1,2) (1,7) → 3, 1
-    assert_eq!(
-        kept(&spec("anchor=zeros,bit=mean"), &data, 4),
+        kept(&q("anchor=zeros,bit=mean"), &a, 4),
         vec![vec![0, 1, 3, 4]]
+    );
+    assert_eq!(
+        kept(&q("anchor=mean,bit=mean"), &a, 4),
+        vec![vec![0, 1, 3, 4]]
+    );
+    assert_eq!(
+        kept(&q("anchor=inv_mean,bit=mean"), &a, 4),
+        vec![vec![0, 1, 4, 6]]
     );
     // share = 0 is the inner scorer alone: top 4 by the mean {0, 4, 1, 7}
     assert_eq!(
-        kept("kvcrush:recent=0,share=0", &data, 4),
-        kept("h2o:recent=0,decode_evict=false", &data, 4)
+        kept("kvcrush:recent=0,share=0", &a, 4),
+        kept("h2o:recent=0,decode_evict=false", &a, 4)
     );
     assert_eq!(
-        kept("kvcrush:recent=0,share=0", &data, 4),
+        kept("kvcrush:recent=0,share=0", &a, 4),
         vec![vec![0, 1, 4, 7]]
     );
-    // a random anchor is one of the four 2-bit anchors; anchor 10 (h0 set)
-    // gives (0,2) (0,7) (1,3) (1,5) (2,1) (2,6) → 2, 5
-    let four = [
-        vec![0, 2, 3, 4],
-        vec![0, 1, 4, 7],
-        vec![0, 1, 4, 5],
-        vec![0, 2, 4, 5],
+
+    // Layer B: two KV heads (caches), two query heads each; KV head 0 reads
+    // h0, h1 as in layer A, KV head 1 reads
+    //   pos   0   1   2   3   4   5   6   7
+    //   h2    0   8   2   6   1   9   4   2
+    //   h3    0   6   2   4   1   7   4   4
+    //   mean  0   7   2   5   1   8   4   3
+    // Cache 0: top {0, 4}, E0 = {1, 2, 3, 5, 6, 7}; cache 1: top {5, 1},
+    // E1 = {0, 2, 3, 4, 6, 7}.
+    // bits_per=kv, bit=half: bit 0 = KV head 0's top 4 {0, 1, 4, 7}, bit 1
+    // = KV head 1's top 4 {5, 1, 3, 6}; signatures (b0, b1):
+    //   0: 10, 1: 11, 2: 00, 3: 01, 4: 10, 5: 01, 6: 01, 7: 10.
+    //   zeros, cache 0: (0,2) (1,3) (1,5) (1,6) (1,7) (2,1) → step 2, 6;
+    //     linspace 2, 1
+    //   zeros, cache 1: (0,2) (1,0) (1,3) (1,4) (1,6) (1,7) → step 2, 4;
+    //     linspace 2, 7
+    //   alternate (01): cache 0 (0,3) (0,5) (0,6) (1,1) (1,2) (2,7) → 3, 1;
+    //     cache 1 (0,3) (0,6) (1,2) (2,0) (2,4) (2,7) → 3, 0
+    //   anchor 10: cache 0 (0,7) (1,1) (1,2) (2,3) (2,5) (2,6) → 7, 3;
+    //     cache 1 (0,0) (0,4) (0,7) (1,2) (2,3) (2,6) → 0, 2
+    //   ones (11): cache 0 (0,1) (1,3) (1,5) (1,6) (1,7) (2,2) → 1, 6;
+    //     cache 1 (1,0) (1,3) (1,4) (1,6) (1,7) (2,2) → 0, 6
+    let mut b = simple_layer(&[vec![0.0; 10], vec![0.0; 10]], 2, 8, 0, 1);
+    b.colsum = vec![
+        10.0, 1.0, 6.0, 0.0, 7.0, 2.0, 0.0, 8.0, //
+        10.0, 9.0, 0.0, 1.0, 7.0, 2.0, 3.0, 0.0, //
+        0.0, 8.0, 2.0, 6.0, 1.0, 9.0, 4.0, 2.0, //
+        0.0, 6.0, 2.0, 4.0, 1.0, 7.0, 4.0, 4.0,
     ];
+    let by_anchor = [
+        vec![vec![0, 2, 4, 6], vec![1, 2, 4, 5]], // 00
+        vec![vec![0, 1, 3, 4], vec![0, 1, 3, 5]], // 01
+        vec![vec![0, 3, 4, 7], vec![0, 1, 2, 5]], // 10
+        vec![vec![0, 1, 4, 6], vec![0, 1, 5, 6]], // 11
+    ];
+    assert_eq!(kept(&spec("anchor=zeros"), &b, 4), by_anchor[0]);
+    assert_eq!(kept(&spec("anchor=alternate"), &b, 4), by_anchor[1]);
+    assert_eq!(kept(&spec("anchor=ones"), &b, 4), by_anchor[3]);
+    assert_eq!(
+        kept(&spec("anchor=zeros,pick=linspace"), &b, 4),
+        vec![vec![0, 1, 2, 4], vec![1, 2, 5, 7]]
+    );
+    // mean / inv_mean with bit=half: each bit is on exactly 4 of 8 → 00
+    assert_eq!(kept(&spec("anchor=mean"), &b, 4), by_anchor[0]);
+    assert_eq!(kept(&spec("anchor=inv_mean"), &b, 4), by_anchor[0]);
+    // bits_per=kv, bit=mean: KV head 0's mean 4.125 → {0, 1, 4} (3 of 8, a
+    // strict minority); KV head 1's mean 3.75 → {1, 3, 5, 6} (exactly half).
+    // Signatures 0: 10, 1: 11, 2: 00, 3: 01, 4: 10, 5: 01, 6: 01, 7: 00.
+    //   mean over all of C = 00: cache 0 (0,2) (0,7) (1,3) (1,5) (1,6)
+    //   (2,1) → 2, 5; cache 1 (0,2) (0,7) (1,0) (1,3) (1,4) (1,6) → 2, 3.
+    //   (Over E0 alone bit 1 would be a majority, 4 of 6: anchor 01 and
+    //   cache 0 would keep 3, 1 instead.)
+    //   inv_mean = 10: cache 0 (1,1) (1,2) (1,7) (2,3) (2,5) (2,6) → 1, 3;
+    //   cache 1 (0,0) (0,4) (1,2) (1,7) (2,3) (2,6) → 0, 7.
+    assert_eq!(
+        kept(&spec("anchor=mean,bit=mean"), &b, 4),
+        vec![vec![0, 2, 4, 5], vec![1, 2, 3, 5]]
+    );
+    assert_eq!(
+        kept(&spec("anchor=inv_mean,bit=mean"), &b, 4),
+        vec![vec![0, 1, 3, 4], vec![0, 1, 5, 7]]
+    );
+    // random: one anchor per layer, bit u = the top bit of the u-th draw of
+    // SplitMix64 seeded by (seed, layer 0), shared by both caches
     let mut seen = std::collections::HashSet::new();
-    for seed in 0..16 {
-        let k = kept(&spec(&format!("seed={seed}")), &data, 4).remove(0);
-        assert!(four.contains(&k), "seed {seed}: {k:?}");
-        seen.insert(k);
+    for seed in 0..16u64 {
+        let mut rng = SplitMix64::for_head(seed, 0, 0);
+        let (b0, b1) = (rng.next_u64() >> 63, rng.next_u64() >> 63);
+        let want = &by_anchor[(2 * b0 + b1) as usize];
+        assert_eq!(
+            &kept(&spec(&format!("seed={seed}")), &b, 4),
+            want,
+            "seed {seed}"
+        );
+        seen.insert(want.clone());
     }
     assert!(seen.len() >= 2, "the seed changes the anchor: {seen:?}");
+
+    // pick: of n ranks, k kept. step: i·⌊n/k⌋. linspace: PyTorch's integer
+    // linspace truncates (not rounds): n = 11, k = 4: step 10/3, values 0,
+    // 3.33, 10 − 3.33 = 6.67, 10 → 0, 3, 6, 10 (rounding would give 7);
+    // n = 6, k = 3: step 2.5, the middle value counted from the end
+    // 5 − 2.5 = 2.5 → 2.
+    assert_eq!(pick_ranks(Pick::Step, 11, 4), vec![0, 2, 4, 6]);
+    assert_eq!(pick_ranks(Pick::Linspace, 11, 4), vec![0, 3, 6, 10]);
+    assert_eq!(pick_ranks(Pick::Linspace, 10, 4), vec![0, 3, 6, 9]);
+    assert_eq!(pick_ranks(Pick::Linspace, 6, 3), vec![0, 2, 5]);
+    assert_eq!(pick_ranks(Pick::Linspace, 6, 1), vec![0]);
+    assert_eq!(pick_ranks(Pick::Linspace, 6, 0), Vec::<usize>::new());
+
+    // the references' windowed inner scores: SnapKV as the scorer
+    assert!(PolicySpec::parse("kvcrush:scorer=snapkv,w=8")
+        .and_then(|s| s.build())
+        .is_ok());
     // a decode-time inner scorer is refused
     assert!(PolicySpec::parse("kvcrush:decode_evict=true")
         .and_then(|s| s.build())

@@ -224,7 +224,7 @@ pub(super) fn cmd_sweep(a: SweepArgs) -> Result<()> {
     })
     .with_context(|| format!("sweeping into {}", a.out.display()))?;
     bar.finish_and_clear();
-    for n in &r.invalidated {
+    for n in &r.notices {
         eprintln!("note: {n}");
     }
     if r.complete && r.failed.len() < plan.points().len() {

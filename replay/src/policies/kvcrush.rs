@@ -2,26 +2,35 @@
 //! behave towards them, and one representative per group is kept beside the
 //! scorer's top tokens (docs/methods/kvcrush.md).
 //!
-//! Rule, per cache of a layer (prefill, P > B):
+//! Rule, per layer (prefill, P > B), following the authors' two
+//! implementations (OpenVINO GenAI's kvcrush.cpp, vLLM PR #47967) where they
+//! agree:
 //! 1. The inner scorer (default H2O's accumulated attention, prefill only)
 //!    fixes its protected positions (sinks, recent window) and scores the
 //!    candidates C = sinks..P − recent. Of the A = B − protected selections,
 //!    R = ⌊share·A⌋ go to representatives and A − R to the scorer's top.
-//! 2. Signature: for each candidate i, one bit per query head h of the layer
-//!    (H bits): the inner scorer run on head h alone scores C, and bit h is 1
-//!    when i is among the ⌊|C|/2⌋ highest of those scores (`bit=half`, as the
-//!    authors' OpenVINO code marks the top half) or above their mean
-//!    (`bit=mean`).
-//! 3. Anchor: an H-bit vector (`anchor=random`: drawn from SplitMix64 seeded
-//!    by (seed, layer, cache); `mean`: the majority bit of the evicted set;
-//!    `zeros`, `ones`, `alternate`).
-//! 4. The evicted candidates E (not among the top A − R) are sorted by the
-//!    Hamming distance of their signature to the anchor (ties: earlier
-//!    position first); with s = ⌊|E|/R⌋, the entries at ranks 0, s, 2s, …
-//!    (R of them: one per bucket of s consecutive ranks) are kept.
+//! 2. Signature: for each candidate i, one bit per signature unit u (H_u
+//!    bits): the inner scorer run on u alone scores C, and bit u is 1 when i
+//!    is among the ⌊|C|/2⌋ highest of those scores (`bit=half`, both
+//!    references) or above their mean (`bit=mean`, a kvreplay extension).
+//!    `bits_per=kv` (default, vLLM's): u ranges over the layer's KV heads,
+//!    each scored on its whole query group (the group mean, as a KV-head
+//!    cache is scored); `bits_per=query`: u ranges over the query heads.
+//! 3. Anchor, one per layer, shared by its caches: `random` (bits from
+//!    SplitMix64 seeded by (seed, layer) only), `mean` (bit u = 1 when a
+//!    strict majority of C has bit u), `inv_mean` (bit u = 1 when a strict
+//!    minority of C has it: vLLM's rule, the complement of `mean` except at
+//!    exactly half, where both are 0), `zeros`, `ones`, `alternate`
+//!    (bit u = u mod 2).
+//! 4. Per cache, the evicted candidates E (not among its top A − R) are
+//!    sorted by the Hamming distance of their signature to the anchor (ties:
+//!    earlier position first) and R of the n = |E| ranks are kept:
+//!    `pick=step` (OpenVINO): ranks i·⌊n/R⌋; `pick=linspace` (vLLM): PyTorch's
+//!    integer linspace(0, n − 1, R), see [`pick_ranks`].
 //!
-//! Shapes: scores (P,) or (P − recent,) per head; signatures (|C|, ⌈H/64⌉) words.
-//! The kept entries are exact; decode entries are appended (prefill only).
+//! Shapes: scores (P,) or (P − recent,) per unit; signatures (|C|, ⌈H_u/64⌉)
+//! words. The kept entries are exact; decode entries are appended (prefill
+//! only).
 
 use std::sync::Arc;
 
@@ -36,16 +45,18 @@ use crate::ReplayError;
 pub static INFO: PolicyInfo = PolicyInfo {
     name: "kvcrush",
     summary: "a scorer's top tokens (default H2O) plus one representative per group of evicted tokens, grouped by a binary per-head signature's Hamming distance to an anchor",
-    paper: "KVCrush: Key Value Cache size-reduction using similarity in head-behaviour (Jha et al., ACML 2025, arXiv 2503.00022); openvinotoolkit/openvino.genai (continuous_batching/kvcrush.cpp)",
+    paper: "KVCrush: Key Value Cache size-reduction using similarity in head-behaviour (Jha et al., ACML 2025, arXiv 2503.00022); openvinotoolkit/openvino.genai (src/cpp/src/continuous_batching/cache/kvcrush.cpp) and vllm-project/vllm PR #47967 (vllm/v1/attention/backends/kvcrush.py)",
     params: &[
-        ParamInfo { name: "scorer", default: "h2o", kind: Kind::Scorer, help: "the inner scorer whose top tokens are kept and whose per-head scores make the signatures (prefill only: decode_evict=false)" },
-        ParamInfo { name: "share", default: "0.25", kind: Kind::Float, help: "share of the selected (unprotected) budget given to representatives of the evicted tokens, in [0, 1]" },
-        ParamInfo { name: "bit", default: "half", kind: Kind::Choice(&["half", "mean"]), help: "signature bit of head h: the token is in the top half of head h's candidate scores, or above their mean" },
-        ParamInfo { name: "anchor", default: "random", kind: Kind::Choice(&["random", "mean", "zeros", "ones", "alternate"]), help: "the anchor the Hamming distances are taken to" },
-        ParamInfo { name: "seed", default: "0", kind: Kind::Int, help: "seed of the random anchor; (seed, layer, cache) fixes it" },
+        ParamInfo { name: "scorer", default: "h2o", kind: Kind::Scorer, help: "the inner scorer whose top tokens are kept and whose per-unit scores make the signatures (prefill only: decode_evict=false)" },
+        ParamInfo { name: "share", default: "0.25", kind: Kind::Float, help: "share of the selected (unprotected) budget given to representatives of the evicted tokens, in [0, 1]; R = floor(share * A)" },
+        ParamInfo { name: "bits_per", default: "kv", kind: Kind::Choice(&["kv", "query"]), help: "one signature bit per KV head (its query group scored together, vLLM's) or per query head" },
+        ParamInfo { name: "bit", default: "half", kind: Kind::Choice(&["half", "mean"]), help: "signature bit: the token is in the top half of the unit's candidate scores (both references), or above their mean (kvreplay extension)" },
+        ParamInfo { name: "anchor", default: "random", kind: Kind::Choice(&["random", "mean", "inv_mean", "zeros", "ones", "alternate"]), help: "the anchor the Hamming distances are taken to, one per layer (mean / inv_mean: strict majority / minority bit over all candidates)" },
+        ParamInfo { name: "pick", default: "step", kind: Kind::Choice(&["step", "linspace"]), help: "which of the n distance-sorted evicted tokens are kept: ranks i*floor(n/R) (OpenVINO) or PyTorch's integer linspace(0, n-1, R) (vLLM)" },
+        ParamInfo { name: "seed", default: "0", kind: Kind::Int, help: "seed of the random anchor; (seed, layer) fixes it" },
     ],
     caps: Caps {
-        approximation: Some("the signature bit is the top half of each head's candidate scores (the authors' OpenVINO code; the paper's text was not available to check a threshold); the random anchor comes from SplitMix64, not the reference's mt19937"),
+        approximation: Some("token granularity: the references build signatures and keep representatives per block/page of 16-32 tokens, and pick one set per layer (OpenVINO scores reduced over heads; vLLM filters by KV head 0's top and shares its picks), where kvreplay picks per KV head from that head's evicted set; the random anchor comes from SplitMix64, not mt19937 / torch.randint; the default inner scorer H2O accumulates every prompt row, where both references score with a SnapKV-style window of the last prompt queries (scorer=snapkv comes closer)"),
         ..Caps::EVICT_PREFILL
     },
     test: "kvcrush_keeps_one_representative_per_hamming_bucket",
@@ -59,8 +70,10 @@ pub static INFO: PolicyInfo = PolicyInfo {
             Ok(Arc::new(KvCrush {
                 scorer,
                 share: p.float_in("share", 0.0, 1.0)?,
+                bits_per: p.choice("bits_per")?,
                 bit: p.choice("bit")?,
                 anchor: p.choice("anchor")?,
+                pick: p.choice("pick")?,
                 seed: p.int("seed")? as u64,
             }))
         },
@@ -68,7 +81,15 @@ pub static INFO: PolicyInfo = PolicyInfo {
 };
 
 crate::params::choice_enum! {
-    /// How a head's scores become its signature bit.
+    /// What one signature bit stands for.
+    pub enum BitsPer {
+        Kv = "kv",
+        Query = "query",
+    }
+}
+
+crate::params::choice_enum! {
+    /// How a unit's scores become its signature bit.
     pub enum Bit {
         Half = "half",
         Mean = "mean",
@@ -80,48 +101,109 @@ crate::params::choice_enum! {
     pub enum Anchor {
         Random = "random",
         Mean = "mean",
+        InvMean = "inv_mean",
         Zeros = "zeros",
         Ones = "ones",
         Alternate = "alternate",
     }
 }
 
+crate::params::choice_enum! {
+    /// Which distance ranks become representatives.
+    pub enum Pick {
+        Step = "step",
+        Linspace = "linspace",
+    }
+}
+
 pub struct KvCrush {
     pub scorer: Arc<dyn Scorer>,
     pub share: f64,
+    pub bits_per: BitsPer,
     pub bit: Bit,
     pub anchor: Anchor,
+    pub pick: Pick,
     pub seed: u64,
 }
 
-/// H-bit vectors as u64 words.
+/// H_u-bit vectors as u64 words.
 type Bits = Vec<u64>;
 
-fn get(b: &Bits, h: usize) -> bool {
-    b[h / 64] >> (h % 64) & 1 == 1
+fn get(b: &Bits, u: usize) -> bool {
+    b[u / 64] >> (u % 64) & 1 == 1
 }
 
-fn set(b: &mut Bits, h: usize) {
-    b[h / 64] |= 1 << (h % 64);
+fn set(b: &mut Bits, u: usize) {
+    b[u / 64] |= 1 << (u % 64);
 }
 
 fn hamming(a: &Bits, b: &Bits) -> u32 {
     a.iter().zip(b).map(|(x, y)| (x ^ y).count_ones()).sum()
 }
 
+/// The `k` ranks kept of `n` distance-sorted evicted tokens (k ≤ n).
+/// `Step`: i·⌊n/k⌋. `Linspace`: PyTorch's `linspace(0, n − 1, k,
+/// dtype=long)` on CPU: step = (n − 1)/(k − 1) in f64, the first ⌊k/2⌋
+/// values i·step and the rest (n − 1) − (k − 1 − i)·step, each truncated
+/// toward zero; k = 1 gives [0], k = 0 nothing.
+pub fn pick_ranks(pick: Pick, n: usize, k: usize) -> Vec<usize> {
+    match pick {
+        Pick::Step => {
+            let s = n / k.max(1);
+            (0..k).map(|i| i * s).collect()
+        }
+        Pick::Linspace => {
+            if k <= 1 {
+                return vec![0; k];
+            }
+            let end = (n - 1) as f64;
+            let step = end / (k - 1) as f64;
+            (0..k)
+                .map(|i| {
+                    if i < k / 2 {
+                        (step * i as f64) as usize
+                    } else {
+                        (end - step * (k - 1 - i) as f64) as usize
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
 impl KvCrush {
-    /// Signatures of the candidates `cand` (indexed from cand.start): bit h
-    /// from the inner scorer run on query head h alone.
-    fn signatures(&self, ctx: &PrefillCtx, cand: std::ops::Range<usize>) -> Vec<Bits> {
-        let (nh, gs) = (ctx.n_heads(), ctx.group());
-        let words = nh.div_ceil(64);
+    /// The signature units of the layer: its KV heads (each with its query
+    /// group) or its query heads.
+    fn sig_units(&self, ctx: &PrefillCtx) -> Vec<Unit> {
+        let gs = ctx.group();
+        match self.bits_per {
+            BitsPer::Kv => (0..ctx.n_kv_heads())
+                .map(|k| Unit {
+                    kv_head: k,
+                    heads: k * gs..(k + 1) * gs,
+                })
+                .collect(),
+            BitsPer::Query => (0..ctx.n_heads())
+                .map(|h| Unit {
+                    kv_head: h / gs,
+                    heads: h..h + 1,
+                })
+                .collect(),
+        }
+    }
+
+    /// Signatures of the candidates `cand` (indexed from cand.start): bit u
+    /// from the inner scorer run on signature unit u alone.
+    fn signatures(
+        &self,
+        ctx: &PrefillCtx,
+        units: &[Unit],
+        cand: std::ops::Range<usize>,
+    ) -> Vec<Bits> {
+        let words = units.len().div_ceil(64);
         let mut sig = vec![vec![0u64; words]; cand.len()];
-        for h in 0..nh {
-            let unit = Unit {
-                kv_head: h / gs,
-                heads: h..h + 1,
-            };
-            let s = self.scorer.score(ctx, &unit);
+        for (b, unit) in units.iter().enumerate() {
+            let s = self.scorer.score(ctx, unit);
             let on: Vec<usize> = match self.bit {
                 Bit::Half => top_k(&s, cand.clone(), cand.len() / 2, |i| i, self.scorer.tie()),
                 Bit::Mean => {
@@ -131,27 +213,28 @@ impl KvCrush {
                 }
             };
             for i in on {
-                set(&mut sig[i - cand.start], h);
+                set(&mut sig[i - cand.start], b);
             }
         }
         sig
     }
 
-    /// The anchor of cache `c` given the evicted set's signatures.
-    fn anchor_bits(&self, ctx: &PrefillCtx, c: usize, evicted: &[&Bits]) -> Bits {
-        let nh = ctx.n_heads();
-        let mut a = vec![0u64; nh.div_ceil(64)];
-        let mut rng = SplitMix64::for_head(self.seed, ctx.layer(), c);
-        for h in 0..nh {
+    /// The layer's anchor (`nbits` bits) given every candidate's signature.
+    fn anchor_bits(&self, ctx: &PrefillCtx, nbits: usize, sig: &[Bits]) -> Bits {
+        let mut a = vec![0u64; nbits.div_ceil(64)];
+        let mut rng = SplitMix64::for_head(self.seed, ctx.layer(), 0);
+        for u in 0..nbits {
+            let count = || sig.iter().filter(|b| get(b, u)).count();
             let on = match self.anchor {
                 Anchor::Random => rng.next_u64() >> 63 == 1,
-                Anchor::Mean => 2 * evicted.iter().filter(|b| get(b, h)).count() > evicted.len(),
+                Anchor::Mean => 2 * count() > sig.len(),
+                Anchor::InvMean => 2 * count() < sig.len(),
                 Anchor::Zeros => false,
                 Anchor::Ones => true,
-                Anchor::Alternate => h % 2 == 1,
+                Anchor::Alternate => u % 2 == 1,
             };
             if on {
-                set(&mut a, h);
+                set(&mut a, u);
             }
         }
         a
@@ -181,13 +264,16 @@ impl Policy for KvCrush {
         let avg = b - prot.total();
         let reps = (self.share * avg as f64).floor() as usize;
         let cand = prot.sinks..p - prot.recent;
-        let sig = if reps > 0 {
-            self.signatures(ctx, cand.clone())
+        let (sig, anchor) = if reps > 0 {
+            let su = self.sig_units(ctx);
+            let sig = self.signatures(ctx, &su, cand.clone());
+            let anchor = self.anchor_bits(ctx, su.len(), &sig);
+            (sig, anchor)
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         let mut caches = Vec::new();
-        for (c, u) in units.iter().enumerate() {
+        for u in &units {
             let scores = s.score(ctx, u);
             if scores.len() < cand.end {
                 return Err(ReplayError::Contract {
@@ -201,22 +287,19 @@ impl Policy for KvCrush {
             }
             let mut keep = keep_positions(p, prot, &scores, avg - reps, s.tie());
             if reps > 0 {
-                let evicted: Vec<usize> = cand
+                // by distance, earlier position first on ties (ascending positions)
+                let mut order: Vec<(u32, usize)> = cand
                     .clone()
                     .filter(|i| keep.binary_search(i).is_err())
+                    .map(|i| (hamming(&sig[i - cand.start], &anchor), i))
                     .collect();
-                let ev_sig: Vec<&Bits> = evicted.iter().map(|&i| &sig[i - cand.start]).collect();
-                let anchor = self.anchor_bits(ctx, c, &ev_sig);
-                // by distance, earlier position first on ties (a stable sort of ascending positions)
-                let mut order: Vec<(u32, usize)> = evicted
-                    .iter()
-                    .zip(&ev_sig)
-                    .map(|(&i, b)| (hamming(b, &anchor), i))
-                    .collect();
-                order.sort();
+                order.sort_unstable();
                 let k = reps.min(order.len());
-                let step = order.len() / k.max(1);
-                keep.extend((0..k).map(|j| order[j * step].1));
+                keep.extend(
+                    pick_ranks(self.pick, order.len(), k)
+                        .into_iter()
+                        .map(|j| order[j].1),
+                );
                 keep.sort_unstable();
             }
             caches.push(ctx.exact_cache(u.kv_head, &keep));
