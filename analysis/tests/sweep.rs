@@ -288,7 +288,11 @@ fn more_policies_or_budgets_on_the_same_traces_reuse_the_finished_points() {
     let small = Plan::new(&traces, &["h2o".into()], &[4, 8]).unwrap();
     run(&small, &out, None, &mut |_, _, _| {}).unwrap();
     // two more policies and one more budget: only the new points run
-    let specs = ["snapkv:w=4".to_string(), "h2o".to_string(), "tova".to_string()];
+    let specs = [
+        "snapkv:w=4".to_string(),
+        "h2o".to_string(),
+        "tova".to_string(),
+    ];
     let grown = Plan::new(&traces, &specs, &[4, 8, 16]).unwrap();
     let r = run(&grown, &out, None, &mut |_, _, _| {}).unwrap();
     assert_eq!((r.points, r.ran, r.reused), (18, 14, 4));
