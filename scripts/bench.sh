@@ -5,7 +5,10 @@
 #   2. capture throughput (prefill, decode) on SmolLM2, 2048 + 64 tokens;
 #   3. replay: one point, the NumPy reference comparison, the full sweep of
 #      every policy x 6 budgets, and a model rerun for the points-per-rerun ratio;
-#   4. replay time against prompt length, 512 to 16,384 tokens, and its exponent.
+#   4. replay time against prompt length, 512 to 16,384 tokens, and its exponent;
+#   5. lines starting "target" put each figure the performance issue sets a
+#      target for beside it (17-policy sweep, EMS/D2O/MiniCache/quant per
+#      point, points per rerun, NumPy ratio, capture tok/s): met or not met.
 # The first run captures the traces it needs (a few minutes for the longest).
 # Usage: scripts/bench.sh [--quick]   (--quick: one repetition, no criterion)
 set -euo pipefail
@@ -31,4 +34,6 @@ log=results/bench/bench-$(date -u +%Y%m%dT%H%M%SZ).txt
     echo "## scaling"
     target/release/kvreplay bench scaling --reps "$reps"
 } 2>&1 | tee "$log"
+# every figure with a target, together
+{ echo "## targets"; grep '^target' "$log" || true; } | tee -a "$log"
 echo "wrote $log"

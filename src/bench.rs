@@ -95,12 +95,24 @@ pub fn bench_capture(b: &CaptureBench) -> Result<()> {
         std::fs::remove_dir_all(&s.out)?;
     }
     std::fs::remove_dir_all(&dir).ok();
-    println!(
-        "median: prefill {:.1} tok/s, decode {:.1} tok/s",
-        median(&mut pre),
-        median(&mut dec)
-    );
+    let (p, d) = (median(&mut pre), median(&mut dec));
+    println!("median: prefill {p:.1} tok/s, decode {d:.1} tok/s");
+    println!("{}", target("capture prefill", p, ">=", 500.0, "tok/s"));
+    println!("{}", target("capture decode", d, ">=", 60.0, "tok/s"));
     Ok(())
+}
+
+/// One line of a figure beside the performance issue's target for it:
+/// `name: value unit (target op goal): met` or `: not met`.
+fn target(name: &str, value: f64, op: &str, goal: f64, unit: &str) -> String {
+    let met = match op {
+        "<" => value < goal,
+        _ => value >= goal,
+    };
+    format!(
+        "target  {name}: {value:.2} {unit} (target {op} {goal} {unit}): {}",
+        if met { "met" } else { "not met" }
+    )
 }
 
 pub struct ReplayBench {
@@ -118,6 +130,28 @@ pub const SWEEP_BUDGETS: [usize; 6] = [32, 64, 128, 256, 512, 1024];
 
 /// The policies the NumPy reference implements.
 const REFERENCE_POLICIES: [&str; 4] = ["full", "snapkv", "h2o", "streaming_llm"];
+
+/// The 17 policies of the performance issue's sweep target (the registry
+/// when it was filed: the classic baselines, the seed methods and `quant`).
+const CORE_POLICIES: [&str; 17] = [
+    "full",
+    "random",
+    "streaming_llm",
+    "h2o",
+    "snapkv",
+    "pyramidkv",
+    "adakv",
+    "tova",
+    "knorm",
+    "scissorhands",
+    "cam",
+    "ahakv",
+    "kvmerger",
+    "d2o",
+    "minicache",
+    "ems",
+    "quant",
+];
 
 /// The benchmark trace: `trace` if it exists, else a 2048 + 64 filler capture
 /// (into `trace`, or a temporary folder).
@@ -230,6 +264,7 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
     );
 
     // 2. Against the NumPy reference: the same points, both from a cold start.
+    let mut numpy_ratio = None;
     if let Some(py) = &b.python {
         let budgets = SWEEP_BUDGETS.map(|x| x.to_string()).join(",");
         let t0 = std::time::Instant::now();
@@ -274,6 +309,7 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
             }
         }
         let theirs = j["seconds"].as_f64().unwrap_or(wall);
+        numpy_ratio = Some(theirs / ours);
         println!(
             "vs NumPy reference ({} policies x {} budgets = {} points): kvreplay {ours:.2} s, NumPy {theirs:.2} s (process {wall:.2} s): {:.1}x faster",
             REFERENCE_POLICIES.len(),
@@ -288,6 +324,17 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
     } else {
         println!("vs NumPy reference: not run (no Python with numpy and safetensors; run scripts/setup-reference.sh)");
     }
+
+    // 3a. The performance issue's sweep: its 17 policies x 6 budgets, cold start.
+    let (core_total, core_per_policy, core_points) =
+        timed_sweep(&trace, &CORE_POLICIES, &SWEEP_BUDGETS)?;
+    let core_per_point = core_total / core_points.len() as f64;
+    println!(
+        "sweep of the performance issue's {} policies x {} budgets = {} points in {core_total:.2} s ({core_per_point:.3} s per point)",
+        CORE_POLICIES.len(),
+        SWEEP_BUDGETS.len(),
+        core_points.len()
+    );
 
     // 3. The full sweep: every registered policy x 6 budgets, cold start.
     // every method; `sliding` alone is `full` on a model without sliding layers
@@ -312,6 +359,7 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
         );
     }
 
+    let mut rerun_points = None;
     // 4. The alternative: rerunning the model on the same prompt (prefill in
     //    chunks of 256, then the decode tokens teacher-forced), no trace writes.
     if b.no_rerun {
@@ -322,14 +370,52 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
                 let model = Model::load(&path)?;
                 let secs = time_rerun(&model, &m.tokens.ids, m.prompt_len())?;
                 println!(
-                    "model rerun (prefill {} + decode {} tokens): {secs:.2} s = {:.0} sweep points per rerun-equivalent",
+                    "model rerun (prefill {} + decode {} tokens): {secs:.2} s = {:.0} sweep points per rerun-equivalent ({:.0} over the issue's 17-policy sweep)",
                     m.prompt_len(),
                     m.generation.n_decode,
-                    secs / per_point
+                    secs / per_point,
+                    secs / core_per_point
                 );
+                rerun_points = Some(secs / core_per_point);
             }
             Err(e) => println!("model rerun: not timed ({e})"),
         }
+    }
+
+    // 5. Each figure beside the performance issue's target (2 threads there).
+    println!("{}", target("17-policy sweep", core_total, "<", 20.0, "s"));
+    let per_point_of = |name: &str| {
+        core_per_policy
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t / SWEEP_BUDGETS.len() as f64)
+    };
+    for (name, goal) in [
+        ("ems", 1.0),
+        ("d2o", 0.5),
+        ("minicache", 0.5),
+        ("quant", 0.5),
+    ] {
+        if let Some(t) = per_point_of(name) {
+            println!(
+                "{}",
+                target(&format!("{name} per point"), t, "<", goal, "s")
+            );
+        }
+    }
+    match rerun_points {
+        Some(n) => println!(
+            "{}",
+            target("sweep points per model rerun", n, ">=", 100.0, "points")
+        ),
+        None => println!("target  sweep points per model rerun: not measured (no rerun)"),
+    }
+    match numpy_ratio {
+        Some(r) => println!(
+            "{}",
+            target("speed-up over the NumPy reference", r, ">=", 10.0, "x")
+        ),
+        None => println!("target  speed-up over the NumPy reference: not measured (no Python)"),
     }
     std::fs::remove_dir_all(&tmp).ok();
     Ok(())
@@ -429,4 +515,20 @@ pub fn bench_scaling(b: &ScalingBench) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::target;
+
+    #[test]
+    fn a_target_line_says_whether_the_figure_meets_it() {
+        assert_eq!(
+            target("17-policy sweep", 19.5, "<", 20.0, "s"),
+            "target  17-policy sweep: 19.50 s (target < 20 s): met"
+        );
+        assert!(target("17-policy sweep", 20.0, "<", 20.0, "s").ends_with(": not met"));
+        assert!(target("capture decode", 60.0, ">=", 60.0, "tok/s").ends_with(": met"));
+        assert!(target("capture decode", 59.9, ">=", 60.0, "tok/s").ends_with(": not met"));
+    }
 }
