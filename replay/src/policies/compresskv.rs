@@ -57,10 +57,8 @@ pub static INFO: PolicyInfo = PolicyInfo {
     },
     test: "compresskv_scores_with_retrieval_heads_and_allocates_by_layer_error",
     build: Build::Policy(|p| {
-        let (heads, w, kernel) = (p.int("heads")?, p.int("w")?, p.int("kernel")?);
-        if heads == 0 {
-            return Err(p.bad("heads", "at least one head scores".into()));
-        }
+        let heads = p.int_positive("heads", "at least one head scores")?;
+        let (w, kernel) = (p.int("w")?, p.int("kernel")?);
         if kernel % 2 == 0 {
             return Err(p.bad("kernel", "the pooling kernel must be odd".into()));
         }

@@ -115,10 +115,7 @@ pub struct Interval {
 
 impl Interval {
     pub fn from_params(p: &Params, scorer: &dyn Scorer) -> Result<Interval, ReplayError> {
-        let every = p.int("compression_interval")?;
-        if every == 0 {
-            return Err(p.bad("compression_interval", "must be at least 1".into()));
-        }
+        let every = p.int_positive("compression_interval", "must be at least 1")?;
         let target = match p.word("target_size") {
             "budget" => None,
             _ => Some(p.int("target_size")?),

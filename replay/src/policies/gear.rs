@@ -50,10 +50,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     },
     test: "gear_restores_outliers_and_the_low_rank_residual",
     build: Build::Policy(|p| {
-        let group = p.int("group")?;
-        if group == 0 {
-            return Err(p.bad("group", "must be at least 1".into()));
-        }
+        let group = p.int_positive("group", "must be at least 1")?;
         let outliers = p.float_in("outliers", 0.0, 1.0)?;
         Ok(Arc::new(Gear {
             bits: p.word("bits").parse().expect("validated choice"),

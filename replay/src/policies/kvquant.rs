@@ -55,10 +55,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     },
     test: "kvquant_quantises_pre_rope_keys_with_a_kmeans_codebook",
     build: Build::Policy(|p| {
-        let iters = p.int("iters")?;
-        if iters == 0 {
-            return Err(p.bad("iters", "must be at least 1".into()));
-        }
+        let iters = p.int_positive("iters", "must be at least 1")?;
         Ok(Arc::new(KvQuant {
             bits: p.word("bits").parse().expect("validated choice"),
             outliers: p.float_in("outliers", 0.0, 1.0)?,

@@ -65,10 +65,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     },
     test: "lazyeviction_keeps_recurring_tokens_and_evicts_once_per_window",
     build: Build::Scorer(|p| {
-        let window = p.int("window")?;
-        if window == 0 {
-            return Err(p.bad("window", "must be at least 1".into()));
-        }
+        let window = p.int_positive("window", "must be at least 1")?;
         let rows = match p.word("rows") {
             "all" => None,
             _ => Some(p.int("rows")?),

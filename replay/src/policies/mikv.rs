@@ -54,10 +54,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         default_scorer: "h2o",
         scorer_defaults: &[("decode_evict", "false")],
         build: |p, scorer| {
-            let group = p.int("group")?;
-            if group == 0 {
-                return Err(p.bad("group", "must be at least 1".into()));
-            }
+            let group = p.int_positive("group", "must be at least 1")?;
             let bits = |k: &str| -> u32 { p.word(k).parse().expect("validated choice") };
             Ok(Arc::new(Mikv {
                 select: TopK::new("mikv", scorer),

@@ -42,10 +42,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         if sparsity >= 1.0 {
             return Err(p.bad("sparsity", "must be below 1 (a vector keeps at least one element)".into()));
         }
-        let window = p.int("window")?;
-        if window == 0 {
-            return Err(p.bad("window", "must be at least 1".into()));
-        }
+        let window = p.int_positive("window", "must be at least 1")?;
         Ok(Arc::new(Mustafar { sparsity, window }))
     }),
 };

@@ -32,10 +32,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     caps: Caps { family: Family::Quantisation, phase: Phase::Prefill, quantises: true, exact_when_covering: false, ..Caps::EVICT_PREFILL },
     test: "quant_charges_real_bits",
     build: Build::Wrapper(|p, base| {
-        let group = p.int("group")?;
-        if group == 0 {
-            return Err(ReplayError::BadParam { policy: "quant".into(), key: "group".into(), value: "0".into(), msg: "must be at least 1".into() });
-        }
+        let group = p.int_positive("group", "must be at least 1")?;
         let residual = p.int("residual")?.max(1);
         Ok(Arc::new(Quant { base, cfg: QuantCfg { bits: p.word("bits").parse().expect("validated"), group, residual } }))
     }),

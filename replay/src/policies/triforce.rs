@@ -44,14 +44,8 @@ pub static INFO: PolicyInfo = PolicyInfo {
     },
     test: "triforce_retrieves_chunks_by_the_previous_query",
     build: Build::Policy(|p| {
-        let chunk = p.int("chunk")?;
-        if chunk == 0 {
-            return Err(p.bad("chunk", "must be at least 1".into()));
-        }
-        let refresh = p.int("refresh")?;
-        if refresh == 0 {
-            return Err(p.bad("refresh", "must be at least 1".into()));
-        }
+        let chunk = p.int_positive("chunk", "must be at least 1")?;
+        let refresh = p.int_positive("refresh", "must be at least 1")?;
         Ok(Arc::new(TriForce { chunk, refresh, per_query_head: p.bool("per_query_head")?, decode_evict: p.bool("decode_evict")? }))
     }),
 };

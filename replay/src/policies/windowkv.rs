@@ -65,12 +65,9 @@ pub static INFO: PolicyInfo = PolicyInfo {
             "auto" => if qa { 32 } else { 16 },
             _ => p.int("suffix")?,
         };
-        let (window, group, beta) = (p.int("window")?, p.int("group")?, p.int("beta")?);
-        for (key, v) in [("window", window), ("group", group), ("beta", beta)] {
-            if v == 0 {
-                return Err(p.bad(key, "must be at least 1".into()));
-            }
-        }
+        let window = p.int_positive("window", "must be at least 1")?;
+        let group = p.int_positive("group", "must be at least 1")?;
+        let beta = p.int_positive("beta", "must be at least 1")?;
         Ok(Arc::new(WindowKv { window, select, suffix, group, arithmetic: p.word("schedule") == "arithmetic", beta }))
     }),
 };

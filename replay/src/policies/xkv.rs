@@ -50,10 +50,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     },
     test: "xkv_reconstructs_the_shared_rank_r_basis_and_charges_its_factors",
     build: Build::Policy(|p| {
-        let group = p.int("group")?;
-        if group == 0 {
-            return Err(p.bad("group", "must be at least 1".into()));
-        }
+        let group = p.int_positive("group", "must be at least 1")?;
         let rank = |key: &str| -> Result<Option<usize>, ReplayError> {
             Ok(match p.word(key) {
                 "budget" => None,
