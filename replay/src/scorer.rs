@@ -25,7 +25,13 @@ pub struct Unit {
 /// The caches `s` scores at this layer: one per KV head, or one per query
 /// head for a per-query-head scorer.
 pub fn units(ctx: &PrefillCtx, s: &dyn Scorer) -> Vec<Unit> {
-    ctx.cache_units(s.per_query_head())
+    units_of(ctx, s.per_query_head())
+}
+
+/// One unit per KV head (with its query group) or, with `per_query_head`,
+/// one per query head ([`PrefillCtx::cache_units`] as [`Unit`]s).
+pub fn units_of(ctx: &PrefillCtx, per_query_head: bool) -> Vec<Unit> {
+    ctx.cache_units(per_query_head)
         .into_iter()
         .map(|(kv_head, heads)| Unit { kv_head, heads })
         .collect()

@@ -38,7 +38,7 @@ use crate::cache::HeadCache;
 use crate::info::{Build, Caps, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx, SplitMix64};
-use crate::scorer::{units_to_compress, Scorer, Unit};
+use crate::scorer::{units_of, units_to_compress, Scorer, Unit};
 use crate::select::{keep_positions, top_k};
 use crate::ReplayError;
 
@@ -175,21 +175,7 @@ impl KvCrush {
     /// The signature units of the layer: its KV heads (each with its query
     /// group) or its query heads.
     fn sig_units(&self, ctx: &PrefillCtx) -> Vec<Unit> {
-        let gs = ctx.group();
-        match self.bits_per {
-            BitsPer::Kv => (0..ctx.n_kv_heads())
-                .map(|k| Unit {
-                    kv_head: k,
-                    heads: k * gs..(k + 1) * gs,
-                })
-                .collect(),
-            BitsPer::Query => (0..ctx.n_heads())
-                .map(|h| Unit {
-                    kv_head: h / gs,
-                    heads: h..h + 1,
-                })
-                .collect(),
-        }
+        units_of(ctx, self.bits_per == BitsPer::Query)
     }
 
     /// Signatures of the candidates `cand` (indexed from cand.start): bit u
