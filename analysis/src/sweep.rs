@@ -673,10 +673,10 @@ fn prepare(out: &Path, plan: &Plan) -> Result<Vec<String>, SweepError> {
         // more or other policies or budgets on the same traces: a point's file
         // is named by its (trace, policy, budget), so the finished points the
         // new plan shares are reused as they are
+        let (new_points, old_points) = (plan.points(), old.points());
         let kept: std::collections::HashSet<String> =
-            plan.points().iter().map(|p| plan.point_id(p)).collect();
-        let shared = old
-            .points()
+            new_points.iter().map(|p| plan.point_id(p)).collect();
+        let shared = old_points
             .iter()
             .filter(|p| kept.contains(&old.point_id(p)))
             .count();
@@ -684,8 +684,8 @@ fn prepare(out: &Path, plan: &Plan) -> Result<Vec<String>, SweepError> {
             "{}: the sweep's policies or budgets changed ({} points before, {} now, {shared} in both); \
              finished points of both are reused, the CSVs cover the new plan",
             out.display(),
-            old.points().len(),
-            plan.points().len()
+            old_points.len(),
+            new_points.len()
         ));
     }
     for i in plan.changed_traces(&old) {
