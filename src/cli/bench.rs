@@ -41,6 +41,13 @@ pub(super) enum BenchCmd {
         /// Do not time a model rerun.
         #[arg(long)]
         no_rerun: bool,
+        /// Do not run the NumPy reference comparison.
+        #[arg(long)]
+        no_numpy: bool,
+        /// Policies to sweep: `all` (the performance issue's 17, then every
+        /// other registered method), `core` (the 17 alone) or a comma-separated list.
+        #[arg(long, default_value = "all")]
+        policies: String,
     },
     /// Replay time against prompt length (captures filler traces of each length first).
     Scaling {

@@ -160,15 +160,22 @@ pub fn run() -> Result<()> {
             reps,
             python,
             no_rerun,
+            no_numpy,
+            policies,
         }) => crate::bench::bench_replay(&crate::bench::ReplayBench {
             trace,
             model,
             reps: reps.max(1),
-            python: python.or_else(|| {
-                let p = PathBuf::from(".venv-ref/bin/python");
-                p.exists().then_some(p)
-            }),
+            python: if no_numpy {
+                None
+            } else {
+                python.or_else(|| {
+                    let p = PathBuf::from(".venv-ref/bin/python");
+                    p.exists().then_some(p)
+                })
+            },
             no_rerun,
+            policies,
         }),
         Cmd::Bench(BenchCmd::Scaling {
             model,

@@ -89,26 +89,9 @@ pub fn attend_biased(
         keys.len() == n * d && values.len() == n * d && w.len() == n && out.len() == d,
         "attend_biased: shapes do not match (n={n}, d={d})"
     );
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 is present; the slices' lengths were checked above and
-        // every load/store stays inside them.
-        return unsafe { attend_biased_avx2(q, keys, values, bias, scale, w, out) };
-    }
-    attend_biased_generic(q, keys, values, bias, scale, w, out)
-}
-
-/// [`dot`]'s final reduction of an 8-lane accumulator:
-/// (a0+a4, a1+a5, a2+a6, a3+a7), then ((s0+s1)+(s2+s3)).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[inline]
-unsafe fn reduce8(a: std::arch::x86_64::__m256) -> f32 {
-    use std::arch::x86_64::*;
-    let s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    let mut l = [0f32; 4];
-    _mm_storeu_ps(l.as_mut_ptr(), s);
-    (l[0] + l[1]) + (l[2] + l[3])
+    let mut z = [0f64];
+    attend_biased_multi(q, keys, values, bias, scale, w, &mut z, out);
+    z[0]
 }
 
 /// [`attend_biased`] for `nq` queries over one cache (GQA: the query heads of
@@ -126,55 +109,23 @@ pub fn attend_biased_multi(
     z: &mut [f64],
     out: &mut [f32],
 ) {
-    let (nq, n) = (z.len(), bias.len());
-    let d = q.len() / nq.max(1);
-    assert!(
-        q.len() == nq * d
-            && keys.len() == n * d
-            && values.len() == n * d
-            && w.len() == nq * n
-            && out.len() == nq * d,
-        "attend_biased_multi: shapes do not match (nq={nq}, n={n}, d={d})"
-    );
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && d.is_multiple_of(32) && nq > 0 {
-        for q0 in (0..nq).step_by(3) {
-            let m = (nq - q0).min(3);
-            // SAFETY: AVX2 is present; shapes were checked above.
-            unsafe {
-                attend_multi_avx2(
-                    &q[q0 * d..(q0 + m) * d],
-                    keys,
-                    values,
-                    bias,
-                    scale,
-                    &mut w[q0 * n..(q0 + m) * n],
-                    &mut z[q0..q0 + m],
-                    &mut out[q0 * d..(q0 + m) * d],
-                )
-            };
-        }
-        return;
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = Default::default();
     }
-    for i in 0..nq {
-        z[i] = attend_biased(
-            &q[i * d..(i + 1) * d],
-            keys,
-            values,
-            bias,
-            scale,
-            &mut w[i * n..(i + 1) * n],
-            &mut out[i * d..(i + 1) * d],
-        );
-    }
+    SCRATCH.with(|s| {
+        let (x, p) = &mut *s.borrow_mut();
+        x.resize(w.len(), 0.0);
+        p.resize(w.len(), 0.0);
+        attend_biased_probs(q, keys, values, bias, scale, w, z, out, x, p);
+    })
 }
 
-/// Up to three queries, d a multiple of 32: the arithmetic of
-/// [`attend_biased_avx2`] per query, interleaved over the queries.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // lanes index several arrays
-unsafe fn attend_multi_avx2(
+/// [`attend_biased_multi`] that also returns, per query and entry, the
+/// shifted logit `x` = logit − max in f32 (so w = exp(x as f64) exactly) and
+/// the probability `p` = (w / z) as f32, the weight the output sums with:
+/// `x`, `p` (nq, n).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_biased_probs(
     q: &[f32],
     keys: &[f32],
     values: &[f32],
@@ -183,185 +134,203 @@ unsafe fn attend_multi_avx2(
     w: &mut [f64],
     z: &mut [f64],
     out: &mut [f32],
+    x: &mut [f32],
+    p: &mut [f32],
 ) {
-    use std::arch::x86_64::*;
-    let m = z.len();
-    let n = bias.len();
-    let d = q.len() / m;
-    let (qp, kp, vp) = (q.as_ptr(), keys.as_ptr(), values.as_ptr());
-    // the tail of dot (d % 8 elements) is empty here: d is a multiple of 32,
-    // and `Iterator::sum` of nothing is -0.0, which `+` leaves unchanged
-    let tail0: f32 = std::iter::empty::<f32>().sum();
-    let mut mx = [f32::NEG_INFINITY; 3];
-    for e in 0..n {
-        let mut a = [_mm256_setzero_ps(); 3];
-        let mut i = 0;
-        while i < d {
-            let k = _mm256_loadu_ps(kp.add(e * d + i));
-            for (j, aj) in a.iter_mut().enumerate().take(m) {
-                *aj = _mm256_add_ps(*aj, _mm256_mul_ps(_mm256_loadu_ps(qp.add(j * d + i)), k));
+    let (nq, n) = (z.len(), bias.len());
+    let d = q.len() / nq.max(1);
+    assert!(
+        q.len() == nq * d
+            && keys.len() == n * d
+            && values.len() == n * d
+            && w.len() == nq * n
+            && x.len() == nq * n
+            && p.len() == nq * n
+            && out.len() == nq * d,
+        "attend_biased: shapes do not match (nq={nq}, n={n}, d={d})"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && d.is_multiple_of(8) && d > 0 {
+        // 1. every (query, entry) dot product, 8 at a time
+        // SAFETY: AVX2 is present; shapes were checked above.
+        unsafe { dots_avx2(q, keys, d, x) };
+        for j in 0..nq {
+            let (xj, wj, pj) = (
+                &mut x[j * n..(j + 1) * n],
+                &mut w[j * n..(j + 1) * n],
+                &mut p[j * n..(j + 1) * n],
+            );
+            // 2. logits, their maximum, the shifted logits and their exponentials
+            let mut mx = f32::NEG_INFINITY;
+            for (l, b) in xj.iter_mut().zip(bias) {
+                *l = *l * scale + b;
+                mx = mx.max(*l);
             }
-            i += 8;
+            crate::cpu::exp::exp_shifted(xj, mx, wj);
+            xj.iter_mut().for_each(|l| *l -= mx);
+            // 3. the normaliser in entry order, then each entry's probability
+            let zj: f64 = wj.iter().fold(0.0, |s, v| s + v);
+            z[j] = zj;
+            pj.iter_mut()
+                .zip(wj.iter())
+                .for_each(|(pe, we)| *pe = (we / zj) as f32);
         }
-        for j in 0..m {
-            let l = (reduce8(a[j]) + tail0) * scale + bias[e];
-            w[j * n + e] = l as f64;
-            mx[j] = mx[j].max(l);
+        // 4. out = Σ_e p_e v_e in entry order, up to three queries at a time
+        for q0 in (0..nq).step_by(3) {
+            let m = (nq - q0).min(3);
+            // SAFETY: AVX2 is present; shapes were checked above.
+            unsafe {
+                weighted_values_avx2(
+                    &p[q0 * n..(q0 + m) * n],
+                    values,
+                    d,
+                    &mut out[q0 * d..(q0 + m) * d],
+                )
+            };
         }
+        return;
     }
-    for j in 0..m {
-        let mut zj = 0f64;
-        for we in w[j * n..(j + 1) * n].iter_mut() {
-            *we = ((*we as f32 - mx[j]) as f64).exp();
-            zj += *we;
-        }
+    for j in 0..nq {
+        let (wj, xj, pj) = (
+            &mut w[j * n..(j + 1) * n],
+            &mut x[j * n..(j + 1) * n],
+            &mut p[j * n..(j + 1) * n],
+        );
+        let (zj, mx) = attend_biased_generic(
+            &q[j * d..(j + 1) * d],
+            keys,
+            values,
+            bias,
+            scale,
+            wj,
+            &mut out[j * d..(j + 1) * d],
+            xj,
+        );
         z[j] = zj;
+        xj.iter_mut().for_each(|l| *l -= mx);
+        pj.iter_mut()
+            .zip(wj.iter())
+            .for_each(|(pe, we)| *pe = (we / zj) as f32);
     }
+}
+
+/// `out[i · nb + j] = dot(a_i, b_j)` for the rows of `a` (na, d) and `b`
+/// (nb, d), d a multiple of 8: [`dot`]'s arithmetic exactly (eight lanes,
+/// products then sums, its final reduction), eight pairs per pass: tiles of
+/// 2 rows of `a` × 4 rows of `b` (a last odd row of `a` against 8 rows of
+/// `b`), and [`dot`] itself for the few pairs at the edges.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dots_avx2(a: &[f32], b: &[f32], d: usize, out: &mut [f32]) {
+    let (na, nb) = (a.len() / d, b.len() / d);
+    debug_assert!(out.len() == na * nb && d.is_multiple_of(8));
+    let (ap, bp) = (a.as_ptr(), b.as_ptr());
+    let mut i = 0;
+    while i + 2 <= na {
+        let mut j = 0;
+        while j + 4 <= nb {
+            let r = tile::<2, 4>(ap.add(i * d), bp.add(j * d), d);
+            out[i * nb + j..i * nb + j + 4].copy_from_slice(&r[..4]);
+            out[(i + 1) * nb + j..(i + 1) * nb + j + 4].copy_from_slice(&r[4..]);
+            j += 4;
+        }
+        for jj in j..nb {
+            for ii in i..i + 2 {
+                out[ii * nb + jj] = dot(&a[ii * d..(ii + 1) * d], &b[jj * d..(jj + 1) * d]);
+            }
+        }
+        i += 2;
+    }
+    if i < na {
+        let mut j = 0;
+        while j + 8 <= nb {
+            let r = tile::<1, 8>(ap.add(i * d), bp.add(j * d), d);
+            out[i * nb + j..i * nb + j + 8].copy_from_slice(&r);
+            j += 8;
+        }
+        for jj in j..nb {
+            out[i * nb + jj] = dot(&a[i * d..(i + 1) * d], &b[jj * d..(jj + 1) * d]);
+        }
+    }
+}
+
+/// The 8 dot products of `R` rows at `a` with `C` rows at `b` (R·C = 8,
+/// rows of `d` floats), in the order (r, c) ↦ r·C + c.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn tile<const R: usize, const C: usize>(a: *const f32, b: *const f32, d: usize) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let mut i = 0;
+    while i < d {
+        let mut bv = [_mm256_setzero_ps(); C];
+        for (c, v) in bv.iter_mut().enumerate() {
+            *v = _mm256_loadu_ps(b.add(c * d + i));
+        }
+        for r in 0..R {
+            let av = _mm256_loadu_ps(a.add(r * d + i));
+            for c in 0..C {
+                acc[r * C + c] = _mm256_add_ps(acc[r * C + c], _mm256_mul_ps(av, bv[c]));
+            }
+        }
+        i += 8;
+    }
+    // [`dot`]'s reduction of eight accumulators at once: lanes i and i + 4
+    // added (s0..s3), then (s0 + s1) + (s2 + s3); `hadd` adds neighbours.
+    let half = |x: __m256, y: __m256| {
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(x, y),
+            _mm256_permute2f128_ps::<0x31>(x, y),
+        )
+    };
+    let t1 = _mm256_hadd_ps(half(acc[0], acc[4]), half(acc[1], acc[5]));
+    let t2 = _mm256_hadd_ps(half(acc[2], acc[6]), half(acc[3], acc[7]));
+    let mut r = [0f32; 8];
+    _mm256_storeu_ps(r.as_mut_ptr(), _mm256_hadd_ps(t1, t2));
+    r
+}
+
+/// `out[j] = Σ_e p[j, e] v_e` for up to three queries, entries in order,
+/// f32 products then sums (as the portable code): `p` (m, n), `out` (m, d).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::needless_range_loop)] // lanes index several arrays
+unsafe fn weighted_values_avx2(p: &[f32], values: &[f32], d: usize, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let m = out.len() / d;
+    let n = p.len() / m;
+    let vp = values.as_ptr();
     let op = out.as_mut_ptr();
     let mut t0 = 0;
     while t0 < d {
+        // 32 columns (4 registers) at a time, 8 at the end
+        let w = if t0 + 32 <= d { 4 } else { 1 };
         let mut acc = [[_mm256_setzero_ps(); 4]; 3];
         for e in 0..n {
-            let v = [
-                _mm256_loadu_ps(vp.add(e * d + t0)),
-                _mm256_loadu_ps(vp.add(e * d + t0 + 8)),
-                _mm256_loadu_ps(vp.add(e * d + t0 + 16)),
-                _mm256_loadu_ps(vp.add(e * d + t0 + 24)),
-            ];
+            let mut v = [_mm256_setzero_ps(); 4];
+            for r in 0..w {
+                v[r] = _mm256_loadu_ps(vp.add(e * d + t0 + 8 * r));
+            }
             for j in 0..m {
-                let p = _mm256_set1_ps((w[j * n + e] / z[j]) as f32);
-                for r in 0..4 {
-                    acc[j][r] = _mm256_add_ps(acc[j][r], _mm256_mul_ps(p, v[r]));
+                let pe = _mm256_set1_ps(*p.get_unchecked(j * n + e));
+                for r in 0..w {
+                    acc[j][r] = _mm256_add_ps(acc[j][r], _mm256_mul_ps(pe, v[r]));
                 }
             }
         }
         for j in 0..m {
-            for r in 0..4 {
+            for r in 0..w {
                 _mm256_storeu_ps(op.add(j * d + t0 + 8 * r), acc[j][r]);
             }
         }
-        t0 += 32;
+        t0 += 8 * w;
     }
 }
 
-/// AVX2 twin of [`attend_biased_generic`] written with intrinsics: the same
-/// additions and products in the same order per lane (mul then add, never
-/// fused), so the results are bit-identical; only the scheduling differs
-/// (four keys per pass, the output held in registers across entries).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn attend_biased_avx2(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    bias: &[f32],
-    scale: f32,
-    w: &mut [f64],
-    out: &mut [f32],
-) -> f64 {
-    use std::arch::x86_64::*;
-    let d = q.len();
-    let n = bias.len();
-    let body = d - d % 8;
-    let tail = |e: usize| -> f32 {
-        q[body..]
-            .iter()
-            .zip(&keys[e * d + body..(e + 1) * d])
-            .map(|(x, y)| x * y)
-            .sum()
-    };
-    let kp = keys.as_ptr();
-    let qp = q.as_ptr();
-    let mut mx = f32::NEG_INFINITY;
-    let mut e = 0;
-    while e + 4 <= n {
-        let (mut a0, mut a1, mut a2, mut a3) = (
-            _mm256_setzero_ps(),
-            _mm256_setzero_ps(),
-            _mm256_setzero_ps(),
-            _mm256_setzero_ps(),
-        );
-        let mut i = 0;
-        while i < body {
-            let x = _mm256_loadu_ps(qp.add(i));
-            a0 = _mm256_add_ps(a0, _mm256_mul_ps(x, _mm256_loadu_ps(kp.add(e * d + i))));
-            a1 = _mm256_add_ps(
-                a1,
-                _mm256_mul_ps(x, _mm256_loadu_ps(kp.add((e + 1) * d + i))),
-            );
-            a2 = _mm256_add_ps(
-                a2,
-                _mm256_mul_ps(x, _mm256_loadu_ps(kp.add((e + 2) * d + i))),
-            );
-            a3 = _mm256_add_ps(
-                a3,
-                _mm256_mul_ps(x, _mm256_loadu_ps(kp.add((e + 3) * d + i))),
-            );
-            i += 8;
-        }
-        for (j, a) in [a0, a1, a2, a3].into_iter().enumerate() {
-            let l = (reduce8(a) + tail(e + j)) * scale + bias[e + j];
-            w[e + j] = l as f64;
-            mx = mx.max(l);
-        }
-        e += 4;
-    }
-    while e < n {
-        let mut a = _mm256_setzero_ps();
-        let mut i = 0;
-        while i < body {
-            a = _mm256_add_ps(
-                a,
-                _mm256_mul_ps(
-                    _mm256_loadu_ps(qp.add(i)),
-                    _mm256_loadu_ps(kp.add(e * d + i)),
-                ),
-            );
-            i += 8;
-        }
-        let l = (reduce8(a) + tail(e)) * scale + bias[e];
-        w[e] = l as f64;
-        mx = mx.max(l);
-        e += 1;
-    }
-    let mut z = 0f64;
-    for we in w.iter_mut() {
-        *we = ((*we as f32 - mx) as f64).exp();
-        z += *we;
-    }
-    // out[t] = Σ_e p_e v[e, t] in entry order, 32 columns (4 registers) at a time
-    let vp = values.as_ptr();
-    let mut t0 = 0;
-    while t0 + 32 <= d {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for (e, we) in w.iter().enumerate() {
-            let p = _mm256_set1_ps((we / z) as f32);
-            for (r, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_add_ps(
-                    *a,
-                    _mm256_mul_ps(p, _mm256_loadu_ps(vp.add(e * d + t0 + 8 * r))),
-                );
-            }
-        }
-        for (r, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.as_mut_ptr().add(t0 + 8 * r), *a);
-        }
-        t0 += 32;
-    }
-    if t0 < d {
-        out[t0..].fill(0.0);
-        for (e, we) in w.iter().enumerate() {
-            let p = (we / z) as f32;
-            for (o, v) in out[t0..].iter_mut().zip(&values[e * d + t0..(e + 1) * d]) {
-                *o += p * v;
-            }
-        }
-    }
-    z
-}
-
-/// The portable body of [`attend_biased`] (shapes checked by the caller).
-#[inline(always)]
+/// The portable body of [`attend_biased`] (shapes checked by the caller):
+/// also writes each entry's logit into `logits` (n,); returns (z, max logit).
+#[allow(clippy::too_many_arguments)]
 fn attend_biased_generic(
     q: &[f32],
     keys: &[f32],
@@ -370,7 +339,8 @@ fn attend_biased_generic(
     scale: f32,
     w: &mut [f64],
     out: &mut [f32],
-) -> f64 {
+    logits: &mut [f32],
+) -> (f64, f32) {
     let d = q.len();
     let n = bias.len();
     let mut mx = f32::NEG_INFINITY;
@@ -380,18 +350,18 @@ fn attend_biased_generic(
         let s = dot4(q, [row(e), row(e + 1), row(e + 2), row(e + 3)]);
         for j in 0..4 {
             let l = s[j] * scale + bias[e + j];
-            w[e + j] = l as f64;
+            logits[e + j] = l;
             mx = mx.max(l);
         }
     }
     for e in quads..n {
         let l = dot(q, row(e)) * scale + bias[e];
-        w[e] = l as f64;
+        logits[e] = l;
         mx = mx.max(l);
     }
     let mut z = 0f64;
-    for we in w.iter_mut() {
-        *we = ((*we as f32 - mx) as f64).exp();
+    for (we, l) in w.iter_mut().zip(logits.iter()) {
+        *we = ((l - mx) as f64).exp();
         z += *we;
     }
     out.fill(0.0);
@@ -401,12 +371,23 @@ fn attend_biased_generic(
             *o += p * v;
         }
     }
-    z
+    (z, mx)
 }
 
 /// All pairwise [`dot`] products of the rows of `a` (na, d) and `b` (nb, d):
 /// `out[i * nb + j] = dot(a_i, b_j)`, bit-identical to calling `dot`.
 pub fn dot_rows(a: &[f32], b: &[f32], d: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && d.is_multiple_of(8) && d > 0 {
+        let (na, nb) = (a.len() / d, b.len() / d);
+        assert!(
+            a.len() == na * d && b.len() == nb * d && out.len() == na * nb,
+            "dot_rows: shapes do not match (na={na}, nb={nb}, d={d})"
+        );
+        // SAFETY: AVX2 is present; shapes were checked above.
+        unsafe { dots_avx2(a, b, d, out) };
+        return;
+    }
     with_avx2!(dot_rows_generic(a, b, d, out))
 }
 
@@ -557,25 +538,86 @@ mod tests {
     }
 
     #[test]
-    fn attend_biased_avx2_equals_the_generic_code_bit_for_bit() {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") {
-            for (n, d) in [(1usize, 64usize), (7, 64), (9, 37), (33, 8), (5, 3)] {
-                let f =
-                    |i: usize, s: usize| (((i * 2654435761 + s) >> 7) % 1999) as f32 / 999.0 - 1.0;
-                let q: Vec<f32> = (0..d).map(|i| f(i, 1)).collect();
-                let k: Vec<f32> = (0..n * d).map(|i| f(i, 2)).collect();
-                let v: Vec<f32> = (0..n * d).map(|i| f(i, 3)).collect();
-                let b: Vec<f32> = (0..n).map(|i| if i % 3 == 0 { 0.7 } else { 0.0 }).collect();
-                let (mut w1, mut o1, mut w2, mut o2) =
-                    (vec![0f64; n], vec![0f32; d], vec![0f64; n], vec![0f32; d]);
-                let z1 = attend_biased_generic(&q, &k, &v, &b, 0.3, &mut w1, &mut o1);
-                // SAFETY: AVX2 checked above.
-                let z2 = unsafe { attend_biased_avx2(&q, &k, &v, &b, 0.3, &mut w2, &mut o2) };
-                assert_eq!(z1.to_bits(), z2.to_bits(), "z n={n} d={d}");
-                assert_eq!(w1, w2, "w n={n} d={d}");
+    fn the_vectorised_attention_equals_the_generic_code_bit_for_bit() {
+        let f = |i: usize, s: usize| (((i * 2654435761 + s) >> 7) % 1999) as f32 / 999.0 - 1.0;
+        for (nq, n, d) in [
+            (1usize, 1usize, 64usize),
+            (1, 7, 64),
+            (3, 9, 64),
+            (3, 2112, 64),
+            (2, 33, 8),
+            (4, 13, 16),
+            (9, 31, 256),
+            (1, 9, 37),
+            (3, 5, 3),
+        ] {
+            let q: Vec<f32> = (0..nq * d).map(|i| f(i, 1) * 3.0).collect();
+            let k: Vec<f32> = (0..n * d).map(|i| f(i, 2) * 3.0).collect();
+            let v: Vec<f32> = (0..n * d).map(|i| f(i, 3)).collect();
+            let b: Vec<f32> = (0..n)
+                .map(|i| match i % 5 {
+                    0 => 0.7,
+                    3 => f32::NEG_INFINITY,
+                    _ => 0.0,
+                })
+                .collect();
+            let (mut w, mut z, mut o) = (vec![0f64; nq * n], vec![0f64; nq], vec![0f32; nq * d]);
+            let (mut x, mut p) = (vec![0f32; nq * n], vec![0f32; nq * n]);
+            attend_biased_probs(&q, &k, &v, &b, 0.3, &mut w, &mut z, &mut o, &mut x, &mut p);
+            for j in 0..nq {
+                let (mut w1, mut o1, mut l1) = (vec![0f64; n], vec![0f32; d], vec![0f32; n]);
+                let (z1, mx) = attend_biased_generic(
+                    &q[j * d..(j + 1) * d],
+                    &k,
+                    &v,
+                    &b,
+                    0.3,
+                    &mut w1,
+                    &mut o1,
+                    &mut l1,
+                );
+                let what = format!("nq={nq} n={n} d={d} query {j}");
+                assert_eq!(z[j].to_bits(), z1.to_bits(), "z {what}");
+                let bits64 = |x: &[f64]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&o1), bits(&o2), "out n={n} d={d}");
+                assert_eq!(bits64(&w[j * n..(j + 1) * n]), bits64(&w1), "w {what}");
+                assert_eq!(bits(&o[j * d..(j + 1) * d]), bits(&o1), "out {what}");
+                let x1: Vec<f32> = l1.iter().map(|l| l - mx).collect();
+                assert_eq!(bits(&x[j * n..(j + 1) * n]), bits(&x1), "x {what}");
+                let p1: Vec<f32> = w1.iter().map(|we| (we / z1) as f32).collect();
+                assert_eq!(bits(&p[j * n..(j + 1) * n]), bits(&p1), "p {what}");
+                // w is exp of x, exactly
+                for (we, xe) in w1.iter().zip(&x1) {
+                    assert_eq!(we.to_bits(), (*xe as f64).exp().to_bits(), "exp(x) {what}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dot_rows_equals_dot_bit_for_bit_on_every_tile_edge() {
+        let f = |i: usize, s: usize| (((i * 2654435761 + s) >> 7) % 1999) as f32 / 99.0 - 10.0;
+        for (na, nb, d) in [
+            (1usize, 1usize, 8usize),
+            (3, 9, 64),
+            (5, 13, 16),
+            (2, 8, 64),
+            (7, 31, 24),
+            (4, 4, 5),
+        ] {
+            let a: Vec<f32> = (0..na * d).map(|i| f(i, 1)).collect();
+            let b: Vec<f32> = (0..nb * d).map(|i| f(i, 2)).collect();
+            let mut out = vec![0f32; na * nb];
+            dot_rows(&a, &b, d, &mut out);
+            for i in 0..na {
+                for j in 0..nb {
+                    let want = dot(&a[i * d..(i + 1) * d], &b[j * d..(j + 1) * d]);
+                    assert_eq!(
+                        out[i * nb + j].to_bits(),
+                        want.to_bits(),
+                        "({i}, {j}) of {na}x{nb}, d={d}"
+                    );
+                }
             }
         }
     }

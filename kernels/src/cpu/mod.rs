@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod decode;
 pub mod dequant;
+pub mod exp;
 pub mod linear;
 pub mod norm;
 pub mod rope;
@@ -10,9 +11,11 @@ pub mod vector;
 
 pub use attention::{causal_attention_head, windowed_attention_head, AttentionStats};
 pub use decode::{
-    attend_biased, attend_biased_multi, attention_rows, dot, dot_rows, softmax_in_place,
+    attend_biased, attend_biased_multi, attend_biased_probs, attention_rows, dot, dot_rows,
+    softmax_in_place,
 };
 pub use dequant::{dequantize, BlockType};
+pub use exp::{exp_shifted, fast_exp_active};
 pub use linear::linear;
 pub use norm::{argmax, embedding, gelu_tanh_mul, rms_norm, scale, silu_mul};
 pub use rope::{
