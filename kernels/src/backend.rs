@@ -277,6 +277,57 @@ impl Backend {
         }
     }
 
+    /// [`Backend::attend_biased`] that also returns, per query and entry, the
+    /// shifted logit `x` (f32; w = exp(x as f64)) and the probability `p` =
+    /// (w / z) as f32: `x`, `p` (nq, n). See [`cpu::attend_biased_probs`].
+    /// On CUDA, `p` and `x` are derived on the host from the device's
+    /// weights (x = ln w rounded to f32, which is x itself where w is normal).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend_biased_probs(
+        &self,
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        bias: &[f32],
+        scale: f32,
+        w: &mut [f64],
+        z: &mut [f64],
+        out: &mut [f32],
+        x: &mut [f32],
+        p: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let (nq, n) = (z.len(), bias.len());
+        let d = q.len() / nq.max(1);
+        check(
+            q.len() == nq * d
+                && keys.len() == n * d
+                && values.len() == n * d
+                && w.len() == nq * n
+                && out.len() == nq * d
+                && x.len() == nq * n
+                && p.len() == nq * n,
+            "attend_biased_probs",
+            || format!("shapes do not match (nq={nq}, n={n}, d={d})"),
+        )?;
+        match self {
+            Backend::Cpu => {
+                cpu::attend_biased_probs(q, keys, values, bias, scale, w, z, out, x, p);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => {
+                c.attend_biased(q, keys, values, bias, scale, w, z, out)?;
+                for j in 0..nq {
+                    for e in j * n..(j + 1) * n {
+                        p[e] = (w[e] / z[j]) as f32;
+                        x[e] = w[e].ln() as f32;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Scoring rows; see [`cpu::attention_rows`].
     #[allow(clippy::too_many_arguments)]
     pub fn attention_rows(

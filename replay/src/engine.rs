@@ -300,110 +300,180 @@ pub fn attend(
     Ok((acc.iter().map(|x| *x as f64).collect(), w, z[0]))
 }
 
-/// Step metrics of one query: (rel_l2, cosine, attn_mass, kl). `full_w`/`full_z`
-/// are the full cache's weights, indexed by position.
+/// ln of f64::MIN_POSITIVE: the KL's floor for ln q (a compressed weight
+/// that underflows counts as the smallest positive probability).
+const LN_MIN_POSITIVE: f64 = -708.3964185322641;
+
+/// Step metrics of one query: [rel_l2, cosine, attn_mass, kl].
+///
+/// - `o_c` (d,): the compressed attention's output; `c_x` (n,): its shifted
+///   logits per entry (weights exp(x)); `c_z`: the weights' sum
+/// - `r`: the full cache's attention of the same query (weights indexed by
+///   position)
+/// - `single` (n,): each entry's one member position, or `MULTI` where it
+///   stands for several positions (or none); `cell` (n,): scratch
+///
+/// The KL of the full attention aggregated onto the cache's entries and
+/// renormalised (p) to the compressed attention (q) is
+/// Σ_e p_e (ln p_e − ln q_e) with ln q_e = x_e − ln c_z and, for an entry
+/// of one member m, ln p_e = y_m − ln kept (y: the reference's shifted
+/// logits, so no logarithm per entry; ln of the cell's weight for a merged
+/// entry). ln q is floored at ln f64::MIN_POSITIVE.
+#[allow(clippy::too_many_arguments)]
 fn step_metrics(
-    o_c: &[f64],
-    o_f: &[f64],
+    o_c: &[f32],
+    r: &RefHead,
     cache: &HeadCache,
-    c_w: &[f64],
+    single: &[u32],
+    c_x: &[f32],
     c_z: f64,
-    full_w: &[f64],
-    full_z: f64,
-) -> (f64, f64, f64, f64) {
-    let diff: f64 = o_c.iter().zip(o_f).map(|(a, b)| (a - b) * (a - b)).sum();
+    cell: &mut Vec<f64>,
+) -> [f64; 4] {
+    let o_f = &r.out;
+    let oc = || o_c.iter().map(|x| *x as f64);
+    let diff: f64 = oc().zip(o_f).map(|(a, b)| (a - b) * (a - b)).sum();
     let nf: f64 = o_f.iter().map(|x| x * x).sum();
-    let nc: f64 = o_c.iter().map(|x| x * x).sum();
+    let nc: f64 = oc().map(|x| x * x).sum();
     let rel_l2 = (diff / nf.max(1e-300)).sqrt();
-    let dotp: f64 = o_c.iter().zip(o_f).map(|(a, b)| a * b).sum();
+    let dotp: f64 = oc().zip(o_f).map(|(a, b)| a * b).sum();
     let cosine = dotp / (nf.sqrt() * nc.sqrt()).max(1e-300);
     // Full-attention weight on each entry's members, and on everything represented.
-    let cell: Vec<f64> = cache
-        .members
-        .iter()
-        .map(|m| m.iter().map(|&p| full_w[p as usize]).sum())
-        .collect();
+    cell.clear();
+    cell.extend(single.iter().enumerate().map(|(e, &m)| match m {
+        MULTI => cache.members[e].iter().map(|&p| r.w[p as usize]).sum(),
+        m => r.w[m as usize],
+    }));
     let kept: f64 = cell.iter().sum();
-    let attn_mass = kept / full_z;
-    // KL over the cache's entries of the full attention (aggregated onto the
-    // entries, renormalised) to the compressed attention.
+    let attn_mass = kept / r.z;
+    let (ln_kept, ln_cz) = (kept.ln(), c_z.ln());
     let mut kl = 0f64;
     for (e, we) in cell.iter().enumerate() {
         if *we > 0.0 {
             let p = we / kept;
-            // an entry whose weight underflows even in f64 (logit 745 below the
-            // maximum) counts as the smallest positive probability: finite KL
-            let q = (c_w[e] / c_z).max(f64::MIN_POSITIVE);
-            kl += p * (p / q).ln();
+            let ln_cell = match single[e] {
+                MULTI => we.ln(),
+                m => r.y[m as usize] as f64,
+            };
+            let ln_q = (c_x[e] as f64 - ln_cz).max(LN_MIN_POSITIVE);
+            kl += p * (ln_cell - ln_kept - ln_q);
         }
     }
-    (rel_l2, cosine, attn_mass, kl)
+    [rel_l2, cosine, attn_mass, kl]
 }
 
-/// Per decode step, per query head: the full-cache output, weights and their sum.
-type Reference = Vec<Vec<(Vec<f64>, Vec<f64>, f64)>>;
+/// `single` marker of an entry that stands for several positions (or none).
+const MULTI: u32 = u32::MAX;
+
+/// Each entry's one member position, or [`MULTI`].
+fn single_members(cache: &HeadCache, out: &mut Vec<u32>) {
+    out.clear();
+    out.extend(cache.members.iter().map(|m| match m.as_slice() {
+        [p] => *p,
+        _ => MULTI,
+    }));
+}
+
+/// The full cache's attention of one decode query: output (d,), weights
+/// exp(y) and shifted logits y per position, their sum.
+struct RefHead {
+    out: Vec<f64>,
+    w: Vec<f64>,
+    y: Vec<f32>,
+    z: f64,
+}
+
+/// Per decode step, per query head: the full cache's attention.
+type Reference = Vec<Vec<RefHead>>;
 
 /// Attention of every decode query of `data` over the full cache of its KV head.
 fn full_reference(data: &LayerData) -> Result<Reference, ReplayError> {
     let ctx = PrefillCtx::new(data, 1);
     let mut full = ctx.full_caches();
     let group = data.group();
+    let mut s = Scratch::default();
     (data.prompt_len..data.total_len)
         .map(|pos| {
             for (g, f) in full.iter_mut().enumerate() {
                 f.push_exact(pos, data.k_row(g, pos), data.v_row(g, pos));
             }
-            let per_group = (0..data.n_kv_heads)
-                .map(|g| attend_heads(data, g * group..(g + 1) * group, pos, &full[g]))
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(per_group.into_iter().flatten().collect())
+            let mut heads = Vec::with_capacity(data.n_heads);
+            for (g, f) in full.iter().enumerate() {
+                attend_heads(data, g * group..(g + 1) * group, pos, f, &mut s)?;
+                let (n, d) = (f.len(), f.d);
+                for j in 0..group {
+                    heads.push(RefHead {
+                        out: s.out[j * d..(j + 1) * d]
+                            .iter()
+                            .map(|x| *x as f64)
+                            .collect(),
+                        w: s.w[j * n..(j + 1) * n].to_vec(),
+                        y: s.x[j * n..(j + 1) * n].to_vec(),
+                        z: s.z[j],
+                    });
+                }
+            }
+            Ok(heads)
         })
         .collect()
 }
 
+/// Buffers of one attention call, reused across calls: per query head of
+/// the call, weights `w` (nq, n), sums `z` (nq,), outputs `out` (nq, d),
+/// shifted logits `x` and probabilities `p` (nq, n).
+#[derive(Default)]
+struct Scratch {
+    q: Vec<f32>,
+    w: Vec<f64>,
+    z: Vec<f64>,
+    out: Vec<f32>,
+    x: Vec<f32>,
+    p: Vec<f32>,
+    masked: Vec<f32>,
+}
+
 /// Attention of the step-`pos` queries of query heads `heads` over one
-/// cache, in one pass over it: per head (output, weights, their sum), as
-/// [`attend`] computes them.
-type Attended = (Vec<f64>, Vec<f64>, f64);
+/// cache, in one pass over it, into `s`.
 fn attend_heads(
     data: &LayerData,
     heads: Range<usize>,
     pos: usize,
     cache: &HeadCache,
-) -> Result<Vec<Attended>, ReplayError> {
+    s: &mut Scratch,
+) -> Result<(), ReplayError> {
     let (nq, n, d) = (heads.len(), cache.len(), cache.d);
-    let q: Vec<f32> = heads
-        .flat_map(|h| data.q_row(h, pos).iter().copied())
-        .collect();
-    let (mut w, mut z, mut out) = (vec![0f64; nq * n], vec![0f64; nq], vec![0f32; nq * d]);
+    s.q.clear();
+    s.q.extend(heads.flat_map(|h| data.q_row(h, pos).iter().copied()));
+    s.w.resize(nq * n, 0.0);
+    s.x.resize(nq * n, 0.0);
+    s.p.resize(nq * n, 0.0);
+    s.z.resize(nq, 0.0);
+    s.out.resize(nq * d, 0.0);
     // a sliding layer: entries older than the window get no weight
-    let masked: Option<Vec<f32>> = data.window.map(|_| {
-        (0..n)
-            .map(|e| match cache.in_window(e, pos, data.window) {
-                true => cache.bias[e],
-                false => f32::NEG_INFINITY,
-            })
-            .collect()
-    });
-    data.backend.attend_biased(
-        &q,
+    let bias = match data.window {
+        None => &cache.bias,
+        Some(_) => {
+            s.masked.clear();
+            s.masked
+                .extend((0..n).map(|e| match cache.in_window(e, pos, data.window) {
+                    true => cache.bias[e],
+                    false => f32::NEG_INFINITY,
+                }));
+            &s.masked
+        }
+    };
+    data.backend.attend_biased_probs(
+        &s.q,
         &cache.keys,
         &cache.values,
-        masked.as_deref().unwrap_or(&cache.bias),
+        bias,
         data.scale,
-        &mut w,
-        &mut z,
-        &mut out,
+        &mut s.w,
+        &mut s.z,
+        &mut s.out,
+        &mut s.x,
+        &mut s.p,
     )?;
-    Ok((0..nq)
-        .map(|i| {
-            (
-                out[i * d..(i + 1) * d].iter().map(|x| *x as f64).collect(),
-                w[i * n..(i + 1) * n].to_vec(),
-                z[i],
-            )
-        })
-        .collect())
+    Ok(())
 }
 
 /// The full-cache reference of a layer (memo key): per decode step and
@@ -509,20 +579,31 @@ fn replay_group_refs(
         .collect::<Result<_, _>>()?;
     let mut sums: Vec<Vec<[f64; 4]>> = datas.iter().map(|d| vec![[0f64; 4]; d.n_heads]).collect();
     let mut probs: Vec<Vec<Vec<f32>>> = datas.iter().map(|d| vec![Vec::new(); d.n_heads]).collect();
+    let (mut s, mut single, mut cell) = (Scratch::default(), Vec::new(), Vec::new());
     for pos in p..t {
         for (i, data) in datas.iter().enumerate() {
             session.append(i, pos, |g| (data.k_row(g, pos), data.v_row(g, pos)));
             // the query heads that read each cache attend together (GQA)
             for (c, cache) in session.caches(i).iter().enumerate() {
                 let heads = session.heads_of(i, c);
-                let outs = attend_heads(data, heads.clone(), pos, cache)?;
-                for (h, (o_c, c_w, c_z)) in heads.zip(outs) {
-                    let (o_f, f_w, f_z) = &reference[i][pos - p][h];
-                    let m = step_metrics(&o_c, o_f, cache, &c_w, c_z, f_w, *f_z);
-                    for (s, x) in sums[i][h].iter_mut().zip([m.0, m.1, m.2, m.3]) {
-                        *s += x;
+                attend_heads(data, heads.clone(), pos, cache, &mut s)?;
+                single_members(cache, &mut single);
+                let (n, d) = (cache.len(), cache.d);
+                for (j, h) in heads.enumerate() {
+                    let m = step_metrics(
+                        &s.out[j * d..(j + 1) * d],
+                        &reference[i][pos - p][h],
+                        cache,
+                        &single,
+                        &s.x[j * n..(j + 1) * n],
+                        s.z[j],
+                        &mut cell,
+                    );
+                    for (acc, x) in sums[i][h].iter_mut().zip(m) {
+                        *acc += x;
                     }
-                    probs[i][h] = c_w.iter().map(|w| (w / c_z) as f32).collect();
+                    probs[i][h].clear();
+                    probs[i][h].extend_from_slice(&s.p[j * n..(j + 1) * n]);
                 }
             }
         }
@@ -636,13 +717,14 @@ impl<'t> TraceReplay<'t> {
     }
 
     /// Estimated bytes a kept layer holds: its f32 q, k, v and the full-cache
-    /// reference of every decode step (weights over T entries per query head).
+    /// reference of every decode step (per query head: f64 weights and f32
+    /// shifted logits over T entries, the f64 output).
     pub fn layer_bytes(&self) -> u64 {
         let m = &self.trace.manifest;
         let (h, kv, d) = (m.model.n_heads, m.model.n_kv_heads, m.model.head_dim);
         let (t, qs, steps) = (m.total_len(), m.query_start(), m.generation.n_decode);
         let copy = ((h * (t - qs) + 2 * kv * t) * d * 4) as u64;
-        let reference = (steps * h * (t + d) * 8) as u64;
+        let reference = (steps * h * (t * 12 + d * 8)) as u64;
         copy + reference
     }
 
@@ -728,4 +810,81 @@ pub fn replay_on(
     TraceReplay::new(trace, backend)?
         .with_max_memory(Some(0))
         .replay(policy, budget)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The KL without a logarithm per entry equals the direct
+    /// Σ p ln(p / q) (q floored at f64::MIN_POSITIVE) on a cache with merged
+    /// entries, a biased entry and one whose compressed weight underflows.
+    #[test]
+    fn kl_from_shifted_logits_equals_the_direct_formula() {
+        let (d, t) = (4usize, 12usize);
+        let f = |i: usize| (((i * 2654435761 + 17) >> 7) % 1999) as f32 / 499.0 - 2.0;
+        let q: Vec<f32> = (0..d).map(|i| f(i + 1000)).collect();
+        let keys: Vec<f32> = (0..t * d).map(f).collect();
+        let vals: Vec<f32> = (0..t * d).map(|i| f(i + 500)).collect();
+        // the full cache: every position, exact
+        let mut full = HeadCache::new(d);
+        for p in 0..t {
+            full.push_exact(p, &keys[p * d..(p + 1) * d], &vals[p * d..(p + 1) * d]);
+        }
+        let attend = |c: &HeadCache| {
+            let n = c.len();
+            let (mut w, mut z, mut o) = (vec![0f64; n], vec![0f64], vec![0f32; d]);
+            let (mut x, mut p) = (vec![0f32; n], vec![0f32; n]);
+            kvreplay_kernels::cpu::attend_biased_probs(
+                &q, &c.keys, &c.values, &c.bias, 0.5, &mut w, &mut z, &mut o, &mut x, &mut p,
+            );
+            (w, z[0], o, x)
+        };
+        let (fw, fz, fo, fy) = attend(&full);
+        let r = RefHead {
+            out: fo.iter().map(|x| *x as f64).collect(),
+            w: fw.clone(),
+            y: fy,
+            z: fz,
+        };
+        // compressed: positions 0, 3 exact; {5, 6, 7} merged (mean key, bias
+        // ln 3); 9 exact but with a bias that makes its weight underflow; 11 exact
+        let mut c = HeadCache::new(d);
+        for p in [0usize, 3] {
+            c.push_exact(p, &keys[p * d..(p + 1) * d], &vals[p * d..(p + 1) * d]);
+        }
+        let mean = |m: &[f32]| -> Vec<f32> {
+            (0..d)
+                .map(|j| (5..8).map(|p| m[p * d + j]).sum::<f32>() / 3.0)
+                .collect()
+        };
+        c.push_exact(5, &mean(&keys), &mean(&vals));
+        c.members[2] = vec![5, 6, 7];
+        c.bias[2] = 3f32.ln();
+        c.push_exact(9, &keys[9 * d..10 * d], &vals[9 * d..10 * d]);
+        c.bias[3] = -2000.0;
+        c.push_exact(11, &keys[11 * d..12 * d], &vals[11 * d..12 * d]);
+        let (cw, cz, co, cx) = attend(&c);
+        let mut single = Vec::new();
+        single_members(&c, &mut single);
+        assert_eq!(single, vec![0, 3, MULTI, 9, 11]);
+        let m = step_metrics(&co, &r, &c, &single, &cx, cz, &mut Vec::new());
+        // the direct formula
+        let cell: Vec<f64> = c
+            .members
+            .iter()
+            .map(|m| m.iter().map(|&p| fw[p as usize]).sum())
+            .collect();
+        let kept: f64 = cell.iter().sum();
+        let mut kl = 0f64;
+        for (e, we) in cell.iter().enumerate() {
+            let p = we / kept;
+            let q = (cw[e] / cz).max(f64::MIN_POSITIVE);
+            kl += p * (p / q).ln();
+        }
+        assert!(cw[3] == 0.0, "the biased entry's weight underflows");
+        assert!(kl > 1.0, "the underflowing entry dominates: {kl}");
+        assert!((m[3] - kl).abs() <= 1e-12 * kl, "kl {} against {kl}", m[3]);
+        assert_eq!(m[2], kept / fz);
+    }
 }
