@@ -317,9 +317,9 @@ impl Backend {
             #[cfg(feature = "cuda")]
             Backend::Cuda(c) => {
                 c.attend_biased(q, keys, values, bias, scale, w, z, out)?;
-                for j in 0..nq {
+                for (j, zj) in z.iter().enumerate() {
                     for e in j * n..(j + 1) * n {
-                        p[e] = (w[e] / z[j]) as f32;
+                        p[e] = (w[e] / zj) as f32;
                         x[e] = w[e].ln() as f32;
                     }
                 }
