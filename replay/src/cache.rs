@@ -88,6 +88,37 @@ impl HeadCache {
         self.bits.remove(e);
     }
 
+    /// Remove the entries at `idx` (ascending, distinct) in place, keeping
+    /// the order of the others: each run between removed entries moves once.
+    pub fn remove_sorted(&mut self, idx: &[usize]) {
+        let (d, n) = (self.d, self.len());
+        debug_assert!(idx.windows(2).all(|w| w[0] < w[1]) && idx.last().is_none_or(|&i| i < n));
+        let Some(&first) = idx.first() else {
+            return;
+        };
+        let mut w = first;
+        for (k, &r) in idx.iter().enumerate() {
+            // the run after removed entry r: r + 1 .. the next removed one
+            let end = idx.get(k + 1).copied().unwrap_or(n);
+            let run = r + 1..end;
+            if !run.is_empty() {
+                self.keys.copy_within(run.start * d..run.end * d, w * d);
+                self.values.copy_within(run.start * d..run.end * d, w * d);
+                self.bias.copy_within(run.clone(), w);
+                self.bits.copy_within(run.clone(), w);
+                for (j, i) in run.clone().enumerate() {
+                    self.members.swap(w + j, i);
+                }
+                w += run.len();
+            }
+        }
+        self.keys.truncate(w * d);
+        self.values.truncate(w * d);
+        self.bias.truncate(w);
+        self.bits.truncate(w);
+        self.members.truncate(w);
+    }
+
     /// Keep only the entries whose indices are in `keep` (ascending).
     pub fn retain_indices(&mut self, keep: &[usize]) {
         let d = self.d;
@@ -134,6 +165,20 @@ mod tests {
         c.retain_indices(&[0, 2]);
         assert_eq!(c.positions(), vec![0, 3]);
         assert_eq!(c.value(1), &[0.0, 3.0]);
+        let mut r = HeadCache::new(2);
+        for p in 0..7 {
+            r.push_exact(p, &[p as f32, 1.0], &[1.0, p as f32]);
+            r.bits[p] = p as u64;
+        }
+        let mut want = r.clone();
+        want.retain_indices(&[0, 3, 4, 6]);
+        r.remove_sorted(&[1, 2, 5]);
+        assert_eq!(r, want);
+        r.remove_sorted(&[]);
+        assert_eq!(r, want);
+        r.remove_sorted(&[3]);
+        want.retain_indices(&[0, 1, 2]);
+        assert_eq!(r, want);
         assert_eq!(c.total_bits(), 2 * 2 * 2 * 16);
         assert_eq!(c.bytes(), 16);
     }

@@ -61,7 +61,9 @@ impl Entry {
     }
 }
 
-/// max(cos, 0) from cached norms (the same value as `cos_plus`).
+/// max(cos, 0) from cached norms (the same value as `cos_plus`); decode
+/// computes it four entries at a time with [`block_dots`].
+#[cfg(test)]
 pub(super) fn cos_plus_normed(a: &[f32], na: f64, b: &[f32], nb: f64) -> f64 {
     let ab: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
     (ab / (na * nb + EPS)).max(0.0)
@@ -77,15 +79,100 @@ pub(super) struct Slot {
     pub(super) s_glo: f64,
     pub(super) s_loc_past: f64,
     pub(super) s_loc_cur: f64,
-    /// The expanded key, cached; empty when its entry's direction changed.
-    pub(super) key: Vec<f32>,
 }
 
-/// One head's state: stored entries (by id; None once deleted) and active slots in position order.
+/// One head's state: stored entries (by id; None once deleted) and active
+/// slots in position order (slot i is entry i of the engine's cache).
 pub(super) struct HeadState {
     pub(super) entries: Vec<Option<Entry>>,
     pub(super) slots: Vec<Slot>,
     pub(super) loc_counter: usize,
+    /// The window entries' ids, oldest anchor first.
+    pub(super) windows: std::collections::VecDeque<usize>,
+    /// Live entries that are neither window nor zero class: the centres.
+    pub(super) n_centres: usize,
+    /// Every entry's similarity vector and value, four entries to a block
+    /// and the block stored column by column: entry e's element t at
+    /// `(e / 4) · 4d + 4t + e % 4` (for the decode-time redundancy, four
+    /// entries per vector operation).
+    pub(super) simt: Vec<f32>,
+    pub(super) valt: Vec<f32>,
+}
+
+impl HeadState {
+    /// The window queue and centre count, from the entries (after prefill).
+    pub(super) fn index(&mut self) {
+        let mut w: Vec<usize> = (0..self.entries.len())
+            .filter(|&e| self.entries[e].as_ref().is_some_and(|x| x.window))
+            .collect();
+        w.sort_by_key(|&e| self.entries[e].as_ref().unwrap().anchor);
+        self.windows = w.into();
+        self.n_centres = self
+            .entries
+            .iter()
+            .flatten()
+            .filter(|x| !x.window && !x.zero)
+            .count();
+        self.simt.clear();
+        self.valt.clear();
+        for e in 0..self.entries.len() {
+            self.put(e);
+        }
+    }
+
+    /// Store entry `e`'s similarity vector and value in the blocks (after it
+    /// was created or changed).
+    pub(super) fn put(&mut self, e: usize) {
+        let Some(x) = self.entries[e].as_ref() else {
+            return;
+        };
+        let d = x.val.len();
+        let (b, lane) = (e / 4, e % 4);
+        if self.valt.len() < (b + 1) * 4 * d {
+            self.simt.resize((b + 1) * 4 * d, 0.0);
+            self.valt.resize((b + 1) * 4 * d, 0.0);
+        }
+        let base = b * 4 * d + lane;
+        for t in 0..d {
+            self.simt[base + 4 * t] = x.sim[t];
+            self.valt[base + 4 * t] = x.val[t];
+        }
+    }
+}
+
+/// Σ_t x_t y_t in f64 (in t order, as `cos_plus_normed` sums) of `x` with
+/// the four entries of block `b` of `cols` (see [`HeadState::simt`]).
+/// Each f32·f32 product is exact in f64, so a fused multiply-add rounds
+/// exactly as the product's sum does.
+pub(super) fn block_dots(x: &[f64], cols: &[f32], b: usize) -> [f64; 4] {
+    let d = x.len();
+    let col = &cols[b * 4 * d..(b + 1) * 4 * d];
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: AVX2 and FMA are present; col holds 4d floats.
+        return unsafe { block_dots_avx2(x, col) };
+    }
+    let mut acc = [-0.0f64; 4];
+    for (t, xt) in x.iter().enumerate() {
+        for (j, a) in acc.iter_mut().enumerate() {
+            *a += xt * col[4 * t + j] as f64;
+        }
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_dots_avx2(x: &[f64], col: &[f32]) -> [f64; 4] {
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_set1_pd(-0.0);
+    for (t, xt) in x.iter().enumerate() {
+        let y = _mm256_cvtps_pd(_mm_loadu_ps(col.as_ptr().add(4 * t)));
+        acc = _mm256_fmadd_pd(_mm256_set1_pd(*xt), y, acc);
+    }
+    let mut out = [0f64; 4];
+    _mm256_storeu_pd(out.as_mut_ptr(), acc);
+    out
 }
 
 impl Ems {
@@ -112,55 +199,89 @@ impl Ems {
     }
 
     /// The engine's view of a head: one entry per active slot, in slot order.
-    pub(super) fn expand(&self, st: &mut HeadState, sh: &Shape) -> HeadCache {
+    pub(super) fn expand(&self, st: &HeadState, sh: &Shape) -> HeadCache {
         let mut c = HeadCache::new(sh.d);
-        self.expand_into(st, sh, &mut c);
-        c
-    }
-
-    /// [`expand`](Self::expand) into `c`, reusing its buffers.
-    pub(super) fn expand_into(&self, st: &mut HeadState, sh: &Shape, c: &mut HeadCache) {
-        let d = sh.d;
-        let aux = F16_BITS + ((sh.n_budget + 1) as f64).log2().ceil() as u64;
-        c.d = d;
-        c.keys.clear();
-        c.values.clear();
-        c.bias.clear();
-        c.bits.clear();
-        // member lists are reused in place (one position per slot)
-        c.members.truncate(st.slots.len());
-        let mut charged = vec![false; st.entries.len()];
-        for s in st.slots.iter_mut() {
+        for s in &st.slots {
             let e = st.entries[s.entry]
                 .as_ref()
                 .expect("slots point at live entries");
-            if s.key.is_empty() {
-                s.key = e.dir.iter().map(|x| x * s.knorm).collect();
-                if self.raw_space() {
-                    sh.rope
-                        .as_ref()
-                        .expect("checked")
-                        .rotate(&mut s.key, s.pos, 1.0);
-                }
+            c.push_exact(s.pos, &e.dir, &e.val);
+        }
+        let all: Vec<usize> = (0..st.slots.len()).collect();
+        self.write_slots(st, sh, &mut c, &all);
+        c
+    }
+
+    /// Rewrite rows `rows` of `c` (slot i is row i) from their entries: the
+    /// key direction times the slot's key norm (re-rotated at the slot's
+    /// position in raw space) and the entry's value; then every row's bits
+    /// (an entry's storage charged to its first slot, an index per slot).
+    pub(super) fn write_slots(
+        &self,
+        st: &HeadState,
+        sh: &Shape,
+        c: &mut HeadCache,
+        rows: &[usize],
+    ) {
+        let d = sh.d;
+        debug_assert_eq!(c.len(), st.slots.len());
+        for &i in rows {
+            let s = &st.slots[i];
+            let e = st.entries[s.entry]
+                .as_ref()
+                .expect("slots point at live entries");
+            let key = &mut c.keys[i * d..(i + 1) * d];
+            for (k, x) in key.iter_mut().zip(&e.dir) {
+                *k = x * s.knorm;
             }
-            c.keys.extend_from_slice(&s.key);
-            c.values.extend_from_slice(&e.val);
-            c.bias.push(0.0);
-            let i = c.bias.len() - 1;
-            match c.members.get_mut(i) {
-                Some(m) => {
-                    m.clear();
-                    m.push(s.pos as u32);
-                }
-                None => c.members.push(vec![s.pos as u32]),
+            if self.raw_space() {
+                sh.rope.as_ref().expect("checked").rotate(key, s.pos, 1.0);
             }
-            let entry_bits = if charged[s.entry] || e.zero {
+            c.values[i * d..(i + 1) * d].copy_from_slice(&e.val);
+        }
+        let aux = F16_BITS + ((sh.n_budget + 1) as f64).log2().ceil() as u64;
+        let mut charged = vec![false; st.entries.len()];
+        for (s, b) in st.slots.iter().zip(c.bits.iter_mut()) {
+            let zero = st.entries[s.entry].as_ref().is_some_and(|e| e.zero);
+            let entry_bits = if charged[s.entry] || zero {
                 0
             } else {
                 HeadCache::exact_bits(d)
             };
             charged[s.entry] = true;
-            c.bits.push(entry_bits + aux);
+            *b = entry_bits + aux;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_dots_sum_as_cos_plus_normed_does() {
+        let d = 64;
+        let f = |i: usize| (((i * 2654435761 + 3) >> 7) % 1999) as f32 / 999.0 - 1.0;
+        let x: Vec<f32> = (0..d).map(f).collect();
+        let rows: Vec<Vec<f32>> = (0..4)
+            .map(|r| (0..d).map(|t| f(t * 7 + r * 1000 + 5)).collect())
+            .collect();
+        let mut cols = vec![0f32; 4 * d];
+        for (j, r) in rows.iter().enumerate() {
+            for t in 0..d {
+                cols[4 * t + j] = r[t];
+            }
+        }
+        let xd: Vec<f64> = x.iter().map(|v| *v as f64).collect();
+        let got = block_dots(&xd, &cols, 0);
+        for (j, r) in rows.iter().enumerate() {
+            let (nx, nr) = (l2_norm(&x), l2_norm(r));
+            let want = cos_plus_normed(&x, nx, r, nr);
+            assert_eq!(
+                ((got[j] / (nx * nr + EPS)).max(0.0)).to_bits(),
+                want.to_bits(),
+                "row {j}"
+            );
         }
     }
 }

@@ -107,8 +107,8 @@ impl Policy for Ems {
             l_win,
             rope: ctx.rope().map(RopeCache::new),
         };
-        let mut states = self.prefill_states(ctx, &sh);
-        let caches = states.iter_mut().map(|st| self.expand(st, &sh)).collect();
+        let states = self.prefill_states(ctx, &sh);
+        let caches = states.iter().map(|st| self.expand(st, &sh)).collect();
         Ok((caches, Box::new(Decode::new(self.clone(), sh, states))))
     }
 }

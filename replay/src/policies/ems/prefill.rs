@@ -91,6 +91,10 @@ impl Ems {
             entries: Vec::new(),
             slots: Vec::new(),
             loc_counter: 0,
+            windows: Default::default(),
+            n_centres: 0,
+            simt: Vec::new(),
+            valt: Vec::new(),
         };
         let add_entry = |st: &mut HeadState,
                          dir: Vec<f32>,
@@ -110,7 +114,6 @@ impl Ems {
                     s_glo: s_glo[j],
                     s_loc_past: s_loc[j],
                     s_loc_cur: 0.0,
-                    key: Vec::new(),
                 });
             }
         };
@@ -248,6 +251,7 @@ impl Ems {
             }
             st.slots.sort_by_key(|x| x.pos);
         }
+        st.index();
         st
     }
 }
