@@ -4,10 +4,24 @@
 
 use kvreplay_kernels::cpu::l2_norm;
 
-use super::config::{Ems, Shape, ZeroClass};
+use super::config::{Ems, Shape, Similarity, ZeroClass};
 use super::entry::{unit, Entry, HeadState, Slot, EPS};
 use crate::policy::{pool1d, Pool, PrefillCtx};
 use crate::select::{ranked, Tie};
+
+/// One KV head's prompt rows (n, d) as `build` reads them.
+struct Rows {
+    /// Keys in the merge space (un-rotated in raw space).
+    k_tilde: Vec<f32>,
+    /// ‖k̃_j‖ + ε.
+    kt_norm: Vec<f64>,
+    /// Unit similarity vectors of keys (k̃, or the captured key with
+    /// `sim_pos`) and of values.
+    ksim: Vec<f32>,
+    vsim: Vec<f32>,
+    /// ‖k_j‖ of the captured key.
+    knorm: Vec<f32>,
+}
 
 /// (s_glo, s_loc) of one query head over the prompt positions.
 type Scores = (Vec<f64>, Vec<f64>);
@@ -54,12 +68,18 @@ impl Ems {
             }
             out
         };
+        // The KV head's rows, shared by the caches of its query heads.
+        let mut rows: Option<(usize, Rows)> = None;
         ctx.cache_units(self.per_query_head())
             .into_iter()
             .map(|(g, heads)| {
+                if rows.as_ref().is_none_or(|r| r.0 != g) {
+                    rows = Some((g, self.rows(ctx, g, sh)));
+                }
                 self.build(
                     ctx,
                     g,
+                    &rows.as_ref().unwrap().1,
                     &mean_of(heads.clone(), |x| &x.0),
                     &mean_of(heads, |x| &x.1),
                     sh,
@@ -68,12 +88,40 @@ impl Ems {
             .collect()
     }
 
+    /// One KV head's prompt rows in the forms `build` reads: keys in the
+    /// merge space (k̃), their norms, the unit similarity vectors of keys
+    /// and values, and each key's own norm.
+    fn rows(&self, ctx: &PrefillCtx, g: usize, sh: &Shape) -> Rows {
+        let (n, d) = (ctx.prompt_len(), sh.d);
+        let mut r = Rows {
+            k_tilde: Vec::with_capacity(n * d),
+            kt_norm: Vec::with_capacity(n),
+            ksim: Vec::with_capacity(n * d),
+            vsim: Vec::with_capacity(n * d),
+            knorm: Vec::with_capacity(n),
+        };
+        let unit32 = |x: &[f32], out: &mut Vec<f32>| {
+            let nx = l2_norm(x) + EPS;
+            out.extend(x.iter().map(|v| (*v as f64 / nx) as f32));
+        };
+        for j in 0..n {
+            let kt = self.key_space(ctx.key(g, j), j, &sh.rope);
+            r.kt_norm.push(l2_norm(&kt) + EPS);
+            unit32(if self.sim_pos { ctx.key(g, j) } else { &kt }, &mut r.ksim);
+            unit32(ctx.value(g, j), &mut r.vsim);
+            r.knorm.push(l2_norm(ctx.key(g, j)) as f32);
+            r.k_tilde.extend_from_slice(&kt);
+        }
+        r
+    }
+
     /// Build one head's state after prefill. `g` is the KV head; `s_glo`,
     /// `s_loc` are this head's scores over prompt positions.
     fn build(
         &self,
         ctx: &PrefillCtx,
         g: usize,
+        rows: &Rows,
         s_glo: &[f64],
         s_loc: &[f64],
         sh: &Shape,
@@ -84,9 +132,8 @@ impl Ems {
         let s: Vec<f64> = (0..n)
             .map(|j| self.combine(alpha, s_glo[j], s_loc[j]))
             .collect();
-        let k_tilde: Vec<Vec<f32>> = (0..n)
-            .map(|j| self.key_space(ctx.key(g, j), j, &sh.rope))
-            .collect();
+        let d = sh.d;
+        let k_tilde = |j: usize| &rows.k_tilde[j * d..(j + 1) * d];
         let mut st = HeadState {
             entries: Vec::new(),
             slots: Vec::new(),
@@ -110,14 +157,14 @@ impl Ems {
                 st.slots.push(Slot {
                     pos: j,
                     entry: id,
-                    knorm: l2_norm(ctx.key(g, j)) as f32,
+                    knorm: rows.knorm[j],
                     s_glo: s_glo[j],
                     s_loc_past: s_loc[j],
                     s_loc_cur: 0.0,
                 });
             }
         };
-        let singleton = |j: usize| unit(&k_tilde[j].iter().map(|x| *x as f64).collect::<Vec<_>>());
+        let singleton = |j: usize| unit(&k_tilde(j).iter().map(|x| *x as f64).collect::<Vec<_>>());
         let lw = sh.l_win.min(n);
         if n <= sh.n_budget {
             for j in 0..n {
@@ -143,51 +190,50 @@ impl Ems {
             imp.sort_unstable();
             let tbm_n = sh.n_tbm.min(c_len - imp.len());
             let tbm = &order[imp.len()..imp.len() + tbm_n];
-            // Similarity vectors and values, normalised once: cos⁺ becomes a clamped dot product.
-            let unit32 = |x: &[f32]| -> Vec<f32> {
-                let n = l2_norm(x) + EPS;
-                x.iter().map(|v| (*v as f64 / n) as f32).collect()
-            };
-            let ksim: Vec<Vec<f32>> = (0..n)
-                .map(|j| {
-                    unit32(if self.sim_pos {
-                        ctx.key(g, j)
-                    } else {
-                        &k_tilde[j]
-                    })
-                })
-                .collect();
-            let vsim: Vec<Vec<f32>> = (0..n).map(|j| unit32(ctx.value(g, j))).collect();
-            // cos⁺ of every (to-be-merged, centre) pair at once: (|tbm|, |imp|)
+            // cos⁺ of every (to-be-merged, centre) pair at once, from the unit
+            // similarity vectors: (|tbm|, |imp|)
             let nc = imp.len();
-            let pairs = |v: &[Vec<f32>], used: bool| -> Vec<f32> {
+            let pairs = |v: &[f32], used: bool| -> Vec<f32> {
                 if !used || self.tau >= 1.0 {
                     return Vec::new();
                 }
-                let rows = |idx: &[usize]| -> Vec<f32> {
-                    idx.iter().flat_map(|&j| v[j].iter().copied()).collect()
+                let gather = |idx: &[usize]| -> Vec<f32> {
+                    idx.iter()
+                        .flat_map(|&j| v[j * d..(j + 1) * d].iter().copied())
+                        .collect()
                 };
                 let mut out = vec![0f32; tbm.len() * nc];
-                kvreplay_kernels::cpu::dot_rows(&rows(tbm), &rows(&imp), sh.d, &mut out);
+                kvreplay_kernels::cpu::dot_rows(&gather(tbm), &gather(&imp), d, &mut out);
                 out
             };
-            let kdot = pairs(&ksim, self.similarity.uses_keys());
-            let vdot = pairs(&vsim, self.similarity.uses_values());
-            let redundancy = |ti: usize, ci: usize| -> f64 {
-                let kc = || (kdot[ti * nc + ci] as f64).max(0.0);
-                let vc = || (vdot[ti * nc + ci] as f64).max(0.0);
-                self.similarity.of(kc, vc)
-            };
+            let kdot = pairs(&rows.ksim, self.similarity.uses_keys());
+            let vdot = pairs(&rows.vsim, self.similarity.uses_values());
             let mut members: Vec<Vec<usize>> = imp.iter().map(|&c| vec![c]).collect();
             let mut zero_members: Vec<usize> = Vec::new();
             // dest_i = the most redundant centre if R >= τ and τ < 1, else the zero class
+            let mut r = vec![0f64; nc];
             for (ti, &i) in tbm.iter().enumerate() {
                 let mut best = (0usize, -1.0f64);
                 if self.tau < 1.0 {
-                    for ci in 0..imp.len() {
-                        let r = redundancy(ti, ci);
-                        if r > best.1 {
-                            best = (ci, r);
+                    let row = ti * nc..(ti + 1) * nc;
+                    let pos = |x: &f32| (*x as f64).max(0.0);
+                    match self.similarity {
+                        Similarity::KeyValue => {
+                            for ((o, k), v) in r.iter_mut().zip(&kdot[row.clone()]).zip(&vdot[row])
+                            {
+                                *o = pos(k) * pos(v);
+                            }
+                        }
+                        Similarity::Key => {
+                            r.iter_mut().zip(&kdot[row]).for_each(|(o, k)| *o = pos(k))
+                        }
+                        Similarity::Value => {
+                            r.iter_mut().zip(&vdot[row]).for_each(|(o, v)| *o = pos(v))
+                        }
+                    }
+                    for (ci, x) in r.iter().enumerate() {
+                        if *x > best.1 {
+                            best = (ci, *x);
                         }
                     }
                 }
@@ -198,7 +244,6 @@ impl Ems {
                 }
             }
             // One entry per centre (members merged), then the window, in position order of anchors.
-            let d = sh.d;
             for (ci, &c) in imp.iter().enumerate() {
                 let mut m = members[ci].clone();
                 m.sort_unstable();
@@ -210,9 +255,9 @@ impl Ems {
                 };
                 let (mut dir, mut val) = (vec![0f64; d], vec![0f64; d]);
                 for (&j, wj) in m.iter().zip(&w) {
-                    let kn = l2_norm(&k_tilde[j]) + EPS;
+                    let kn = rows.kt_norm[j];
                     for x in 0..d {
-                        dir[x] += wj * k_tilde[j][x] as f64 / kn;
+                        dir[x] += wj * k_tilde(j)[x] as f64 / kn;
                         val[x] += wj * ctx.value(g, j)[x] as f64;
                     }
                 }
