@@ -31,6 +31,13 @@ fn decode(c: &mut Criterion) {
     g.bench_function("dot_rows/64x512", |b| {
         b.iter(|| cpu::dot_rows(black_box(&a), &bm, d, &mut out))
     });
+    // EMS's prefill redundancy at budget 1024 of a 2,048-token prompt
+    let (a, bm) = (data(1024 * d, 14), data(992 * d, 15));
+    let mut out = vec![0f32; 1024 * 992];
+    g.throughput(Throughput::Elements(1024 * 992));
+    g.bench_function("dot_rows/1024x992", |b| {
+        b.iter(|| cpu::dot_rows(black_box(&a), &bm, d, &mut out))
+    });
     let p = 2048;
     let (q, k) = (data(32 * d, 6), data(p * d, 7));
     let lens: Vec<usize> = (p - 32..p).map(|j| j + 1).collect();
