@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod decode;
 pub mod dequant;
+pub mod dots64;
 pub mod exp;
 pub mod linear;
 pub mod norm;
@@ -15,6 +16,7 @@ pub use decode::{
     softmax_in_place,
 };
 pub use dequant::{dequantize, BlockType};
+pub use dots64::ColumnBlocks;
 pub use exp::{exp_shifted, fast_exp_active};
 pub use linear::linear;
 pub use norm::{argmax, embedding, gelu_tanh_mul, rms_norm, scale, silu_mul};

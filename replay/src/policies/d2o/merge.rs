@@ -2,7 +2,7 @@
 //! kept entry (cosine), tested against the EMA threshold τ and folded into its
 //! match, per head or with one τ shared by the layer's heads.
 
-use kvreplay_kernels::cpu::l2_norm;
+use kvreplay_kernels::cpu::{l2_norm, ColumnBlocks};
 
 use super::config::{D2o, HeadState, MatchOn, Merge, Threshold};
 use crate::cache::HeadCache;
@@ -19,43 +19,28 @@ impl D2o {
     }
 
     /// Best kept match (index, cosine) of each evicted entry on the rows of
-    /// `sim` (ties: the earliest kept entry).
+    /// `sim` (ties: the earliest kept entry). The cosine is ab / (|a| |b| +
+    /// 1e-6) in f64, the dot products summed in element order (every pair
+    /// at once, [`ColumnBlocks::dots`]), each row's norm computed once.
     fn matches(sim: &[f32], d: usize, evict: &[usize], kept: &[usize]) -> Vec<(usize, f64)> {
         let row = |e: usize| &sim[e * d..(e + 1) * d];
-        // The cosine ab / (|a| |b| + 1e-6) in f64, with each row's norm computed
-        // once, and four kept rows per pass over the evicted row so the f64
-        // sums of different pairs overlap (each sum keeps its order).
-        let norm = |e: usize| l2_norm(row(e));
-        let kept_norm: Vec<f64> = kept.iter().map(|&k| norm(k)).collect();
+        let gather = |idx: &[usize]| -> Vec<f32> {
+            idx.iter().flat_map(|&e| row(e).iter().copied()).collect()
+        };
+        let nk = kept.len();
+        let mut ab = vec![0f64; evict.len() * nk];
+        ColumnBlocks::of_rows(&gather(kept), d).dots(&gather(evict), &mut ab);
+        let kept_norm: Vec<f64> = kept.iter().map(|&k| l2_norm(row(k))).collect();
         evict
             .iter()
-            .map(|&e| {
-                let (x, nx) = (row(e), norm(e));
+            .enumerate()
+            .map(|(i, &e)| {
+                let nx = l2_norm(row(e));
                 let mut best = (kept[0], f64::MIN);
-                for (ks, ns) in kept.chunks(4).zip(kept_norm.chunks(4)) {
-                    let mut ab = [0f64; 4];
-                    if ks.len() == 4 {
-                        let r = [row(ks[0]), row(ks[1]), row(ks[2]), row(ks[3])];
-                        for t in 0..d {
-                            let xt = x[t] as f64;
-                            for j in 0..4 {
-                                ab[j] += xt * r[j][t] as f64;
-                            }
-                        }
-                    } else {
-                        for (j, &k) in ks.iter().enumerate() {
-                            ab[j] = x
-                                .iter()
-                                .zip(row(k))
-                                .map(|(a, b)| *a as f64 * *b as f64)
-                                .sum();
-                        }
-                    }
-                    for j in 0..ks.len() {
-                        let u = ab[j] / (nx * ns[j] + 1e-6);
-                        if u > best.1 {
-                            best = (ks[j], u);
-                        }
+                for ((k, a), ns) in kept.iter().zip(&ab[i * nk..(i + 1) * nk]).zip(&kept_norm) {
+                    let u = a / (nx * ns + 1e-6);
+                    if u > best.1 {
+                        best = (*k, u);
                     }
                 }
                 best
@@ -63,13 +48,12 @@ impl D2o {
             .collect()
     }
 
-    /// Fold the accepted evicted entries into their matches (weights from the
-    /// vectors as they stood on entry: `old_k`, `old_v`).
-    #[allow(clippy::too_many_arguments)]
+    /// Fold the accepted evicted entries into their matches. Every row read
+    /// is as it stood on entry: evicted rows are never written, and a kept
+    /// row is written only after its own fold has read it.
     fn merge_pass(
         &self,
         c: &mut HeadCache,
-        old: (&[f32], &[f32]),
         evict: &[usize],
         kept: &[usize],
         matches: &[(usize, f64)],
@@ -77,17 +61,20 @@ impl D2o {
         merge: (bool, bool),
     ) {
         let d = c.d;
-        for &k in kept {
-            let absorbed: Vec<(usize, f64)> = evict
-                .iter()
-                .zip(matches)
-                .zip(accept)
-                .filter(|((_, (t, _)), ok)| *t == k && **ok)
-                .map(|((&e, (_, u)), _)| (e, *u))
-                .collect();
-            if absorbed.is_empty() {
-                continue;
-            }
+        // the accepted evicted entries of each kept entry, in eviction order
+        let mut by_target: Vec<(usize, usize, f64)> = evict
+            .iter()
+            .zip(matches)
+            .zip(accept)
+            .filter(|(_, ok)| **ok)
+            .map(|((&e, &(t, u)), _)| (t, e, u))
+            .collect();
+        by_target.sort_by_key(|x| x.0); // stable: eviction order within a target
+        let mut row = vec![0f32; d];
+        for group in by_target.chunk_by(|a, b| a.0 == b.0) {
+            let k = group[0].0;
+            debug_assert!(kept.binary_search(&k).is_ok());
+            let absorbed: Vec<(usize, f64)> = group.iter().map(|&(_, e, u)| (e, u)).collect();
             let (wk, ws): (f64, Vec<f64>) = match self.merge {
                 Merge::Average => (1.0, vec![1.0; absorbed.len()]),
                 Merge::CodeScaledMean => (1.0, absorbed.iter().map(|x| x.1).collect()),
@@ -97,20 +84,18 @@ impl D2o {
                 Merge::Weighted => wk + ws.iter().sum::<f64>(),
                 Merge::Average | Merge::CodeScaledMean => 1.0 + absorbed.len() as f64,
             };
-            for (on, dst, src) in [
-                (merge.0, &mut c.keys, old.0),
-                (merge.1, &mut c.values, old.1),
-            ] {
+            for (on, m) in [(merge.0, &mut c.keys), (merge.1, &mut c.values)] {
                 if !on {
                     continue;
                 }
-                for ch in 0..d {
-                    let mut x = wk * src[k * d + ch] as f64;
+                for (ch, out) in row.iter_mut().enumerate() {
+                    let mut x = wk * m[k * d + ch] as f64;
                     for ((e, _), w) in absorbed.iter().zip(&ws) {
-                        x += w * src[e * d + ch] as f64;
+                        x += w * m[e * d + ch] as f64;
                     }
-                    dst[k * d + ch] = (x / denom) as f32;
+                    *out = (x / denom) as f32;
                 }
+                m[k * d..(k + 1) * d].copy_from_slice(&row);
             }
             if merge.0 {
                 // positions follow the key half
@@ -164,11 +149,11 @@ impl D2o {
         let kept: Vec<Vec<usize>> = caches
             .iter()
             .zip(evicts)
-            .map(|(c, ev)| (0..c.len()).filter(|e| !ev.contains(e)).collect())
-            .collect();
-        let old: Vec<(Vec<f32>, Vec<f32>)> = caches
-            .iter()
-            .map(|c| (c.keys.clone(), c.values.clone()))
+            .map(|(c, ev)| {
+                let mut out = vec![true; c.len()];
+                ev.iter().for_each(|&e| out[e] = false);
+                (0..c.len()).filter(|&e| out[e]).collect()
+            })
             .collect();
         for &(on_values, merge_k, merge_v, slot) in self.passes() {
             let live: Vec<usize> = (0..caches.len())
@@ -177,8 +162,14 @@ impl D2o {
             let matches: Vec<Vec<(usize, f64)>> = (0..caches.len())
                 .map(|i| {
                     if live.contains(&i) {
+                        // keys and values as they stood on entry: a pass merges
+                        // only the half the next pass does not match on
                         Self::matches(
-                            if on_values { &old[i].1 } else { &old[i].0 },
+                            if on_values {
+                                &caches[i].values
+                            } else {
+                                &caches[i].keys
+                            },
                             caches[i].d,
                             &evicts[i],
                             &kept[i],
@@ -221,7 +212,6 @@ impl D2o {
             for &i in &live {
                 self.merge_pass(
                     &mut caches[i],
-                    (&old[i].0, &old[i].1),
                     &evicts[i],
                     &kept[i],
                     &matches[i],
@@ -231,14 +221,26 @@ impl D2o {
             }
         }
         for ((c, st), ev) in caches.iter_mut().zip(states.iter_mut()).zip(evicts) {
-            let mut idx = ev.clone();
-            idx.sort_unstable_by(|a, b| b.cmp(a));
-            for e in idx {
-                c.remove(e);
-                st.score.remove(e);
-                st.anchor.remove(e);
-                st.sink.remove(e);
+            if ev.is_empty() {
+                continue;
             }
+            let mut idx = ev.clone();
+            idx.sort_unstable();
+            c.remove_sorted(&idx);
+            let mut gone = vec![false; st.score.len()];
+            idx.iter().for_each(|&e| gone[e] = true);
+            retain_unmarked(&mut st.score, &gone);
+            retain_unmarked(&mut st.anchor, &gone);
+            retain_unmarked(&mut st.sink, &gone);
         }
     }
+}
+
+/// Drop the elements of `v` whose index is marked in `gone`, keeping order.
+fn retain_unmarked<T>(v: &mut Vec<T>, gone: &[bool]) {
+    let mut i = 0;
+    v.retain(|_| {
+        i += 1;
+        !gone[i - 1]
+    });
 }

@@ -11,7 +11,7 @@
 use kvreplay_kernels::cpu::l2_norm;
 
 use super::config::{DemoteRank, Ems, Shape, ZeroClass};
-use super::entry::{block_dots, unit, Entry, HeadState, Slot, EPS};
+use super::entry::{unit, Entry, HeadState, Slot, EPS};
 use crate::cache::HeadCache;
 use crate::policy::{DecodeState, StepCtx};
 use crate::select::{victim, Tie};
@@ -200,12 +200,12 @@ impl Decode {
                     }
                     // cos⁺ as `cos_plus_normed` computes it, four entries at a time
                     let kd = if use_k {
-                        block_dots(&xs, &st.simt, b)
+                        st.simt.block_dots(&xs, b)
                     } else {
                         [0.0; 4]
                     };
                     let vd = if use_v {
-                        block_dots(&xv, &st.valt, b)
+                        st.valt.block_dots(&xv, b)
                     } else {
                         [0.0; 4]
                     };

@@ -3,7 +3,7 @@
 //! table of both; the key spaces entries live in; a head's expansion into the
 //! engine's cache (one entry per slot).
 
-use kvreplay_kernels::cpu::{l2_norm, RopeCache};
+use kvreplay_kernels::cpu::{l2_norm, ColumnBlocks, RopeCache};
 
 use super::config::{Ems, Shape};
 use crate::cache::{HeadCache, F16_BITS};
@@ -91,12 +91,10 @@ pub(super) struct HeadState {
     pub(super) windows: std::collections::VecDeque<usize>,
     /// Live entries that are neither window nor zero class: the centres.
     pub(super) n_centres: usize,
-    /// Every entry's similarity vector and value, four entries to a block
-    /// and the block stored column by column: entry e's element t at
-    /// `(e / 4) · 4d + 4t + e % 4` (for the decode-time redundancy, four
-    /// entries per vector operation).
-    pub(super) simt: Vec<f32>,
-    pub(super) valt: Vec<f32>,
+    /// Every entry's similarity vector and value by entry id, in column
+    /// blocks (the decode-time redundancy, four entries per vector operation).
+    pub(super) simt: ColumnBlocks,
+    pub(super) valt: ColumnBlocks,
 }
 
 impl HeadState {
@@ -113,8 +111,14 @@ impl HeadState {
             .flatten()
             .filter(|x| !x.window && !x.zero)
             .count();
-        self.simt.clear();
-        self.valt.clear();
+        let d = self
+            .entries
+            .iter()
+            .flatten()
+            .next()
+            .map_or(0, |x| x.val.len());
+        self.simt = ColumnBlocks::new(d);
+        self.valt = ColumnBlocks::new(d);
         for e in 0..self.entries.len() {
             self.put(e);
         }
@@ -123,56 +127,11 @@ impl HeadState {
     /// Store entry `e`'s similarity vector and value in the blocks (after it
     /// was created or changed).
     pub(super) fn put(&mut self, e: usize) {
-        let Some(x) = self.entries[e].as_ref() else {
-            return;
-        };
-        let d = x.val.len();
-        let (b, lane) = (e / 4, e % 4);
-        if self.valt.len() < (b + 1) * 4 * d {
-            self.simt.resize((b + 1) * 4 * d, 0.0);
-            self.valt.resize((b + 1) * 4 * d, 0.0);
-        }
-        let base = b * 4 * d + lane;
-        for t in 0..d {
-            self.simt[base + 4 * t] = x.sim[t];
-            self.valt[base + 4 * t] = x.val[t];
+        if let Some(x) = self.entries[e].as_ref() {
+            self.simt.set(e, &x.sim);
+            self.valt.set(e, &x.val);
         }
     }
-}
-
-/// Σ_t x_t y_t in f64 (in t order, as `cos_plus_normed` sums) of `x` with
-/// the four entries of block `b` of `cols` (see [`HeadState::simt`]).
-/// Each f32·f32 product is exact in f64, so a fused multiply-add rounds
-/// exactly as the product's sum does.
-pub(super) fn block_dots(x: &[f64], cols: &[f32], b: usize) -> [f64; 4] {
-    let d = x.len();
-    let col = &cols[b * 4 * d..(b + 1) * 4 * d];
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: AVX2 and FMA are present; col holds 4d floats.
-        return unsafe { block_dots_avx2(x, col) };
-    }
-    let mut acc = [-0.0f64; 4];
-    for (t, xt) in x.iter().enumerate() {
-        for (j, a) in acc.iter_mut().enumerate() {
-            *a += xt * col[4 * t + j] as f64;
-        }
-    }
-    acc
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn block_dots_avx2(x: &[f64], col: &[f32]) -> [f64; 4] {
-    use std::arch::x86_64::*;
-    let mut acc = _mm256_set1_pd(-0.0);
-    for (t, xt) in x.iter().enumerate() {
-        let y = _mm256_cvtps_pd(_mm_loadu_ps(col.as_ptr().add(4 * t)));
-        acc = _mm256_fmadd_pd(_mm256_set1_pd(*xt), y, acc);
-    }
-    let mut out = [0f64; 4];
-    _mm256_storeu_pd(out.as_mut_ptr(), acc);
-    out
 }
 
 impl Ems {
@@ -259,21 +218,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn block_dots_sum_as_cos_plus_normed_does() {
+    fn column_block_dots_sum_as_cos_plus_normed_does() {
         let d = 64;
         let f = |i: usize| (((i * 2654435761 + 3) >> 7) % 1999) as f32 / 999.0 - 1.0;
         let x: Vec<f32> = (0..d).map(f).collect();
         let rows: Vec<Vec<f32>> = (0..4)
             .map(|r| (0..d).map(|t| f(t * 7 + r * 1000 + 5)).collect())
             .collect();
-        let mut cols = vec![0f32; 4 * d];
+        let mut cols = ColumnBlocks::new(d);
         for (j, r) in rows.iter().enumerate() {
-            for t in 0..d {
-                cols[4 * t + j] = r[t];
-            }
+            cols.set(j, r);
         }
         let xd: Vec<f64> = x.iter().map(|v| *v as f64).collect();
-        let got = block_dots(&xd, &cols, 0);
+        let got = cols.block_dots(&xd, 0);
         for (j, r) in rows.iter().enumerate() {
             let (nx, nr) = (l2_norm(&x), l2_norm(r));
             let want = cos_plus_normed(&x, nx, r, nr);

@@ -140,8 +140,8 @@ impl Ems {
             loc_counter: 0,
             windows: Default::default(),
             n_centres: 0,
-            simt: Vec::new(),
-            valt: Vec::new(),
+            simt: Default::default(),
+            valt: Default::default(),
         };
         let add_entry = |st: &mut HeadState,
                          dir: Vec<f32>,

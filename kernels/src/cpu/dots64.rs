@@ -1,0 +1,211 @@
+//! Dot products of f32 rows accumulated in f64, in element order, as the
+//! policies' similarity code sums them (`Σ_t a_t as f64 · b_t as f64`,
+//! starting from −0.0 like `Iterator::sum`), many pairs at once.
+//!
+//! A product of two f32 values is exact in f64, so a fused multiply-add
+//! rounds exactly as adding the product does: the vector path (four pairs
+//! per instruction, FMA) gives the scalar loop's results bit for bit.
+
+/// Rows of `b` (nb, d) stored four to a block, each block column by column:
+/// row j's element t at `(j / 4) · 4d + 4t + j % 4` (the missing rows of the
+/// last block are zero). Build once, use for many rows of `a`.
+#[derive(Clone, Debug, Default)]
+pub struct ColumnBlocks {
+    pub d: usize,
+    pub n: usize,
+    data: Vec<f32>,
+}
+
+impl ColumnBlocks {
+    pub fn new(d: usize) -> ColumnBlocks {
+        ColumnBlocks {
+            d,
+            n: 0,
+            data: Vec::new(),
+        }
+    }
+
+    /// The blocks of `rows` (n, d).
+    pub fn of_rows(rows: &[f32], d: usize) -> ColumnBlocks {
+        let mut c = ColumnBlocks::new(d);
+        for (j, r) in rows.chunks_exact(d.max(1)).enumerate() {
+            c.set(j, r);
+        }
+        c
+    }
+
+    /// Put `row` (d,) at index j (growing the blocks as needed).
+    pub fn set(&mut self, j: usize, row: &[f32]) {
+        let d = self.d;
+        assert_eq!(
+            row.len(),
+            d,
+            "ColumnBlocks::set: row of {} values, d = {d}",
+            row.len()
+        );
+        let need = (j / 4 + 1) * 4 * d;
+        if self.data.len() < need {
+            self.data.resize(need, 0.0);
+        }
+        self.n = self.n.max(j + 1);
+        let base = (j / 4) * 4 * d + j % 4;
+        for (t, v) in row.iter().enumerate() {
+            self.data[base + 4 * t] = *v;
+        }
+    }
+
+    /// Row j's element t.
+    pub fn get(&self, j: usize, t: usize) -> f32 {
+        self.data[(j / 4) * 4 * self.d + 4 * t + j % 4]
+    }
+
+    /// Blocks stored (⌈n / 4⌉).
+    pub fn blocks(&self) -> usize {
+        self.n.div_ceil(4)
+    }
+
+    /// Σ_t x_t · row_j[t] (f64, t order) for the four rows of block `b`
+    /// (zero rows give −0.0 or 0).
+    pub fn block_dots(&self, x: &[f64], b: usize) -> [f64; 4] {
+        let d = self.d;
+        assert_eq!(x.len(), d);
+        let col = &self.data[b * 4 * d..(b + 1) * 4 * d];
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: AVX2 and FMA are present; col holds 4d floats.
+            return unsafe { block_dots_avx2::<1>(&[x], col)[0] };
+        }
+        let mut acc = [-0.0f64; 4];
+        for (t, xt) in x.iter().enumerate() {
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a += xt * col[4 * t + j] as f64;
+            }
+        }
+        acc
+    }
+
+    /// `out[i · n + j]` = Σ_t a_i[t] · row_j[t] for every row of `a`
+    /// (na, d) and every stored row j (out: (na, n)).
+    pub fn dots(&self, a: &[f32], out: &mut [f64]) {
+        let (d, n) = (self.d, self.n);
+        let na = a.len() / d.max(1);
+        assert!(
+            a.len() == na * d && out.len() == na * n,
+            "ColumnBlocks::dots: shapes"
+        );
+        let a64: Vec<f64> = a.iter().map(|v| *v as f64).collect();
+        let rows: Vec<&[f64]> = a64.chunks_exact(d.max(1)).collect();
+        let fast = cfg!(target_arch = "x86_64") && {
+            #[cfg(target_arch = "x86_64")]
+            {
+                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            {
+                false
+            }
+        };
+        let mut put = |i: usize, b: usize, r: [f64; 4]| {
+            for (l, v) in r.iter().enumerate() {
+                let j = 4 * b + l;
+                if j < n {
+                    out[i * n + j] = *v;
+                }
+            }
+        };
+        for b in 0..self.blocks() {
+            let col = &self.data[b * 4 * d..(b + 1) * 4 * d];
+            let mut i = 0;
+            #[cfg(target_arch = "x86_64")]
+            if fast {
+                while i + 4 <= na {
+                    // SAFETY: AVX2 and FMA are present; col holds 4d floats,
+                    // each row d.
+                    let r =
+                        unsafe { block_dots_avx2::<4>(&rows[i..i + 4].try_into().unwrap(), col) };
+                    for (k, rk) in r.into_iter().enumerate() {
+                        put(i + k, b, rk);
+                    }
+                    i += 4;
+                }
+            }
+            for (k, x) in rows.iter().enumerate().skip(i) {
+                let mut acc = [-0.0f64; 4];
+                if fast {
+                    #[cfg(target_arch = "x86_64")]
+                    {
+                        // SAFETY: as above.
+                        acc = unsafe { block_dots_avx2::<1>(&[x], col)[0] };
+                    }
+                } else {
+                    for (t, xt) in x.iter().enumerate() {
+                        for (j, a) in acc.iter_mut().enumerate() {
+                            *a += xt * col[4 * t + j] as f64;
+                        }
+                    }
+                }
+                put(k, b, acc);
+            }
+        }
+    }
+}
+
+/// R rows of `x` against one block: R × 4 sums, one FMA per (row, t).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_dots_avx2<const R: usize>(x: &[&[f64]; R], col: &[f32]) -> [[f64; 4]; R] {
+    use std::arch::x86_64::*;
+    let d = x[0].len();
+    let mut acc = [_mm256_set1_pd(-0.0); R];
+    for t in 0..d {
+        let y = _mm256_cvtps_pd(_mm_loadu_ps(col.as_ptr().add(4 * t)));
+        for r in 0..R {
+            acc[r] = _mm256_fmadd_pd(_mm256_set1_pd(*x[r].get_unchecked(t)), y, acc[r]);
+        }
+    }
+    let mut out = [[0f64; 4]; R];
+    for r in 0..R {
+        _mm256_storeu_pd(out[r].as_mut_ptr(), acc[r]);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scalar(a: &[f32], b: &[f32]) -> f64 {
+        a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
+    }
+
+    #[test]
+    fn dots_equal_the_scalar_sums_bit_for_bit() {
+        let f = |i: usize, s: usize| (((i * 2654435761 + s) >> 7) % 1999) as f32 / 97.0 - 10.0;
+        for (na, nb, d) in [
+            (1usize, 1usize, 64usize),
+            (5, 7, 64),
+            (9, 13, 3),
+            (4, 8, 16),
+            (0, 3, 8),
+        ] {
+            let a: Vec<f32> = (0..na * d).map(|i| f(i, 1)).collect();
+            let b: Vec<f32> = (0..nb * d).map(|i| f(i, 2)).collect();
+            let cb = ColumnBlocks::of_rows(&b, d);
+            let mut out = vec![0f64; na * nb];
+            cb.dots(&a, &mut out);
+            for i in 0..na {
+                let x: Vec<f64> = a[i * d..(i + 1) * d].iter().map(|v| *v as f64).collect();
+                for j in 0..nb {
+                    let want = scalar(&a[i * d..(i + 1) * d], &b[j * d..(j + 1) * d]);
+                    assert_eq!(
+                        out[i * nb + j].to_bits(),
+                        want.to_bits(),
+                        "({i}, {j}) {na}x{nb} d={d}"
+                    );
+                    assert_eq!(cb.block_dots(&x, j / 4)[j % 4].to_bits(), want.to_bits());
+                    assert_eq!(cb.get(j, d - 1), b[j * d + d - 1]);
+                }
+            }
+        }
+    }
+}
