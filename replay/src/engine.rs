@@ -319,6 +319,7 @@ const LN_MIN_POSITIVE: f64 = -708.3964185322641;
 /// of one member m, ln p_e = y_m − ln kept (y: the reference's shifted
 /// logits, so no logarithm per entry; ln of the cell's weight for a merged
 /// entry). ln q is floored at ln f64::MIN_POSITIVE.
+#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
 fn step_metrics(
     o_c: &[f32],
@@ -327,38 +328,97 @@ fn step_metrics(
     single: &[u32],
     c_x: &[f32],
     c_z: f64,
-    cell: &mut Vec<f64>,
+    buf: &mut MetricBuf,
 ) -> [f64; 4] {
-    let o_f = &r.out;
-    let oc = || o_c.iter().map(|x| *x as f64);
-    let diff: f64 = oc().zip(o_f).map(|(a, b)| (a - b) * (a - b)).sum();
-    let nf: f64 = o_f.iter().map(|x| x * x).sum();
-    let nc: f64 = oc().map(|x| x * x).sum();
-    let rel_l2 = (diff / nf.max(1e-300)).sqrt();
-    let dotp: f64 = oc().zip(o_f).map(|(a, b)| a * b).sum();
-    let cosine = dotp / (nf.sqrt() * nc.sqrt()).max(1e-300);
-    // Full-attention weight on each entry's members, and on everything represented.
-    cell.clear();
-    cell.extend(single.iter().enumerate().map(|(e, &m)| match m {
-        MULTI => cache.members[e].iter().map(|&p| r.w[p as usize]).sum(),
-        m => r.w[m as usize],
-    }));
-    let kept: f64 = cell.iter().sum();
-    let attn_mass = kept / r.z;
-    let (ln_kept, ln_cz) = (kept.ln(), c_z.ln());
-    let mut kl = 0f64;
-    for (e, we) in cell.iter().enumerate() {
-        if *we > 0.0 {
-            let p = we / kept;
-            let ln_cell = match single[e] {
-                MULTI => we.ln(),
-                m => r.y[m as usize] as f64,
+    heads_metrics::<1>([o_c], [r], cache, single, [c_x], [c_z], buf)[0]
+}
+
+/// Reused buffers of [`heads_metrics`]: per entry and head, the cell's
+/// full-attention weight, its logarithm, and the KL term.
+#[derive(Default)]
+struct MetricBuf {
+    cell: Vec<f64>,
+    ln_cell: Vec<f64>,
+    term: Vec<f64>,
+}
+
+/// [`step_metrics`] of `M` query heads reading one cache, in one pass over
+/// its entries: every sum keeps its order (the heads' sums interleave), and
+/// the per-entry KL terms are computed as a batch before they are summed.
+#[allow(clippy::too_many_arguments)]
+fn heads_metrics<const M: usize>(
+    o_c: [&[f32]; M],
+    r: [&RefHead; M],
+    cache: &HeadCache,
+    single: &[u32],
+    c_x: [&[f32]; M],
+    c_z: [f64; M],
+    buf: &mut MetricBuf,
+) -> [[f64; 4]; M] {
+    let n = single.len();
+    let mut out = [[0f64; 4]; M];
+    for j in 0..M {
+        let o_f = &r[j].out;
+        let oc = || o_c[j].iter().map(|x| *x as f64);
+        let diff: f64 = oc().zip(o_f).map(|(a, b)| (a - b) * (a - b)).sum();
+        let nf: f64 = o_f.iter().map(|x| x * x).sum();
+        let nc: f64 = oc().map(|x| x * x).sum();
+        out[j][0] = (diff / nf.max(1e-300)).sqrt();
+        let dotp: f64 = oc().zip(o_f).map(|(a, b)| a * b).sum();
+        out[j][1] = dotp / (nf.sqrt() * nc.sqrt()).max(1e-300);
+    }
+    // Full-attention weight on each entry's members (and its logarithm: the
+    // reference's shifted logit for one member), and on everything represented.
+    let MetricBuf {
+        cell,
+        ln_cell,
+        term,
+    } = buf;
+    cell.resize(M * n, 0.0);
+    ln_cell.resize(M * n, 0.0);
+    term.resize(M * n, 0.0);
+    let mut kept = [-0.0f64; M];
+    for (e, &m) in single.iter().enumerate() {
+        for j in 0..M {
+            let (c, l) = match m {
+                MULTI => {
+                    let c: f64 = cache.members[e].iter().map(|&p| r[j].w[p as usize]).sum();
+                    (c, c.ln())
+                }
+                m => (r[j].w[m as usize], r[j].y[m as usize] as f64),
             };
-            let ln_q = (c_x[e] as f64 - ln_cz).max(LN_MIN_POSITIVE);
-            kl += p * (ln_cell - ln_kept - ln_q);
+            cell[j * n + e] = c;
+            ln_cell[j * n + e] = l;
+            kept[j] += c;
         }
     }
-    [rel_l2, cosine, attn_mass, kl]
+    for j in 0..M {
+        out[j][2] = kept[j] / r[j].z;
+        let (ln_kept, ln_cz) = (kept[j].ln(), c_z[j].ln());
+        let rows = j * n..(j + 1) * n;
+        for (((t, we), lc), x) in term[rows.clone()]
+            .iter_mut()
+            .zip(&cell[rows.clone()])
+            .zip(&ln_cell[rows])
+            .zip(c_x[j])
+        {
+            // an entry without full-attention weight adds nothing (+0 leaves
+            // the sum, which starts at +0, unchanged)
+            let ln_q = (*x as f64 - ln_cz).max(LN_MIN_POSITIVE);
+            let v = (we / kept[j]) * (lc - ln_kept - ln_q);
+            *t = if *we > 0.0 { v } else { 0.0 };
+        }
+    }
+    let mut kl = [0f64; M];
+    for e in 0..n {
+        for j in 0..M {
+            kl[j] += term[j * n + e];
+        }
+    }
+    for j in 0..M {
+        out[j][3] = kl[j];
+    }
+    out
 }
 
 /// `single` marker of an entry that stands for several positions (or none).
@@ -579,7 +639,7 @@ fn replay_group_refs(
         .collect::<Result<_, _>>()?;
     let mut sums: Vec<Vec<[f64; 4]>> = datas.iter().map(|d| vec![[0f64; 4]; d.n_heads]).collect();
     let mut probs: Vec<Vec<Vec<f32>>> = datas.iter().map(|d| vec![Vec::new(); d.n_heads]).collect();
-    let (mut s, mut single, mut cell) = (Scratch::default(), Vec::new(), Vec::new());
+    let (mut s, mut single, mut mb) = (Scratch::default(), Vec::new(), MetricBuf::default());
     for pos in p..t {
         for (i, data) in datas.iter().enumerate() {
             session.append(i, pos, |g| (data.k_row(g, pos), data.v_row(g, pos)));
@@ -589,19 +649,63 @@ fn replay_group_refs(
                 attend_heads(data, heads.clone(), pos, cache, &mut s)?;
                 single_members(cache, &mut single);
                 let (n, d) = (cache.len(), cache.d);
-                for (j, h) in heads.enumerate() {
-                    let m = step_metrics(
-                        &s.out[j * d..(j + 1) * d],
-                        &reference[i][pos - p][h],
-                        cache,
-                        &single,
-                        &s.x[j * n..(j + 1) * n],
-                        s.z[j],
-                        &mut cell,
-                    );
-                    for (acc, x) in sums[i][h].iter_mut().zip(m) {
-                        *acc += x;
+                let heads: Vec<usize> = heads.collect();
+                // up to four heads of the cache at once
+                for hs in heads.chunks(4) {
+                    let j0 = hs[0] - heads[0];
+                    let o = |k: usize| &s.out[(j0 + k) * d..(j0 + k + 1) * d];
+                    let x = |k: usize| &s.x[(j0 + k) * n..(j0 + k + 1) * n];
+                    let rf = |k: usize| &reference[i][pos - p][hs[k]];
+                    let z = |k: usize| s.z[j0 + k];
+                    let ms: Vec<[f64; 4]> = match hs.len() {
+                        1 => heads_metrics::<1>(
+                            [o(0)],
+                            [rf(0)],
+                            cache,
+                            &single,
+                            [x(0)],
+                            [z(0)],
+                            &mut mb,
+                        )
+                        .to_vec(),
+                        2 => heads_metrics::<2>(
+                            [o(0), o(1)],
+                            [rf(0), rf(1)],
+                            cache,
+                            &single,
+                            [x(0), x(1)],
+                            [z(0), z(1)],
+                            &mut mb,
+                        )
+                        .to_vec(),
+                        3 => heads_metrics::<3>(
+                            [o(0), o(1), o(2)],
+                            [rf(0), rf(1), rf(2)],
+                            cache,
+                            &single,
+                            [x(0), x(1), x(2)],
+                            [z(0), z(1), z(2)],
+                            &mut mb,
+                        )
+                        .to_vec(),
+                        _ => heads_metrics::<4>(
+                            [o(0), o(1), o(2), o(3)],
+                            [rf(0), rf(1), rf(2), rf(3)],
+                            cache,
+                            &single,
+                            [x(0), x(1), x(2), x(3)],
+                            [z(0), z(1), z(2), z(3)],
+                            &mut mb,
+                        )
+                        .to_vec(),
+                    };
+                    for (k, m) in ms.into_iter().enumerate() {
+                        for (acc, v) in sums[i][hs[k]].iter_mut().zip(m) {
+                            *acc += v;
+                        }
                     }
+                }
+                for (j, &h) in heads.iter().enumerate() {
                     probs[i][h].clear();
                     probs[i][h].extend_from_slice(&s.p[j * n..(j + 1) * n]);
                 }
@@ -868,7 +972,7 @@ mod tests {
         let mut single = Vec::new();
         single_members(&c, &mut single);
         assert_eq!(single, vec![0, 3, MULTI, 9, 11]);
-        let m = step_metrics(&co, &r, &c, &single, &cx, cz, &mut Vec::new());
+        let m = step_metrics(&co, &r, &c, &single, &cx, cz, &mut MetricBuf::default());
         // the direct formula
         let cell: Vec<f64> = c
             .members
