@@ -434,6 +434,30 @@ pub fn attention_rows(
     scale: f32,
     out: &mut [f32],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && d.is_multiple_of(8) && d > 0 {
+        let (r, n) = (lens.len(), keys.len() / d);
+        assert!(
+            q.len() == r * d && gains.len() == r && out.len() == r * n && keys.len() == n * d,
+            "attention_rows: shapes do not match (r={r}, n={n}, d={d})"
+        );
+        // every row's dot products with the keys its longest row reads, then
+        // each row as the portable code finishes it
+        let m = lens.iter().copied().max().unwrap_or(0);
+        assert!(m <= n, "attention_rows: a row attends to {m} > {n} keys");
+        let mut dots = vec![0f32; r * m];
+        // SAFETY: AVX2 is present; shapes were checked above.
+        unsafe { dots_avx2(q, &keys[..m * d], d, &mut dots) };
+        for (i, row) in out.chunks_exact_mut(n).enumerate() {
+            let (live, rest) = row.split_at_mut(lens[i]);
+            for (x, dt) in live.iter_mut().zip(&dots[i * m..]) {
+                *x = dt * scale * gains[i];
+            }
+            softmax_in_place(live);
+            rest.fill(0.0);
+        }
+        return;
+    }
     with_avx2!(attention_rows_generic(q, keys, d, lens, gains, scale, out))
 }
 
@@ -591,6 +615,22 @@ mod tests {
                     assert_eq!(we.to_bits(), (*xe as f64).exp().to_bits(), "exp(x) {what}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn attention_rows_equal_the_portable_code_bit_for_bit() {
+        let f = |i: usize, s: usize| (((i * 2654435761 + s) >> 7) % 1999) as f32 / 399.0 - 2.5;
+        for (r, n, d) in [(1usize, 1usize, 64usize), (5, 37, 64), (32, 300, 64), (3, 9, 8), (4, 10, 5)] {
+            let q: Vec<f32> = (0..r * d).map(|i| f(i, 1)).collect();
+            let k: Vec<f32> = (0..n * d).map(|i| f(i, 2)).collect();
+            let lens: Vec<usize> = (0..r).map(|i| n - r + i + 1).collect();
+            let gains: Vec<f32> = (0..r).map(|i| 1.0 + i as f32 * 0.1).collect();
+            let (mut a, mut b) = (vec![0f32; r * n], vec![0f32; r * n]);
+            attention_rows(&q, &k, d, &lens, &gains, 0.125, &mut a);
+            attention_rows_generic(&q, &k, d, &lens, &gains, 0.125, &mut b);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "r={r} n={n} d={d}");
         }
     }
 
