@@ -621,7 +621,13 @@ mod tests {
     #[test]
     fn attention_rows_equal_the_portable_code_bit_for_bit() {
         let f = |i: usize, s: usize| (((i * 2654435761 + s) >> 7) % 1999) as f32 / 399.0 - 2.5;
-        for (r, n, d) in [(1usize, 1usize, 64usize), (5, 37, 64), (32, 300, 64), (3, 9, 8), (4, 10, 5)] {
+        for (r, n, d) in [
+            (1usize, 1usize, 64usize),
+            (5, 37, 64),
+            (32, 300, 64),
+            (3, 9, 8),
+            (4, 10, 5),
+        ] {
             let q: Vec<f32> = (0..r * d).map(|i| f(i, 1)).collect();
             let k: Vec<f32> = (0..n * d).map(|i| f(i, 2)).collect();
             let lens: Vec<usize> = (0..r).map(|i| n - r + i + 1).collect();

@@ -115,25 +115,6 @@ impl QuantCfg {
     /// for disjoint positions, so the key is unique), sorted by key. The
     /// step's new entry, appended by the engine, has no flags yet and so is
     /// unquantised.
-    fn snapshot(caches: &[HeadCache], flags: &[Vec<Flags>]) -> Vec<Vec<(u32, Flags)>> {
-        caches
-            .iter()
-            .zip(flags)
-            .map(|(c, f)| {
-                let mut v: Vec<(u32, Flags)> = c
-                    .members
-                    .iter()
-                    .map(|m| m[0])
-                    .zip(f.iter().copied())
-                    .collect();
-                v.sort_unstable_by_key(|x| x.0);
-                v
-            })
-            .collect()
-    }
-
-    /// After the base policy's step: carry the flags of surviving entries over
-    /// and quantise what is now due.
     fn resettle(
         &self,
         caches: &mut [HeadCache],
@@ -151,6 +132,41 @@ impl QuantCfg {
                 .collect();
             self.settle(c, &mut nf);
             *f = nf;
+        }
+    }
+
+    /// Each entry's first position (before the base policy's step).
+    fn firsts(caches: &[HeadCache]) -> Vec<Vec<u32>> {
+        caches
+            .iter()
+            .map(|c| c.members.iter().map(|m| m[0]).collect())
+            .collect()
+    }
+
+    /// After the base policy's step: the new entries quantised. Entries that
+    /// were there before keep their flags (found by first position), new
+    /// ones start unquantised. When the base only appended (the cache's first
+    /// positions are the ones before, in order, the step's new entry last),
+    /// the flags extend in place; otherwise they are looked up by position.
+    fn after_step(&self, caches: &mut [HeadCache], before: &[Vec<u32>], flags: &mut [Vec<Flags>]) {
+        for ((c, was), f) in caches.iter_mut().zip(before).zip(flags.iter_mut()) {
+            // `was` includes the step's appended entry, which has no flags yet
+            let appended_only = c.len() == was.len()
+                && f.len() + 1 == was.len()
+                && c.members.iter().zip(was).all(|(m, p)| m[0] == *p);
+            if appended_only {
+                f.push(Flags::default());
+                self.settle(c, f);
+            } else {
+                let mut prev: Vec<(u32, Flags)> =
+                    was.iter().copied().zip(f.iter().copied()).collect();
+                prev.sort_unstable_by_key(|x| x.0);
+                self.resettle(
+                    std::slice::from_mut(c),
+                    std::slice::from_ref(&prev),
+                    std::slice::from_mut(f),
+                );
+            }
         }
     }
 }
@@ -219,22 +235,18 @@ impl Policy for Quant {
 
 impl DecodeState for QState {
     fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]) {
-        let before = QuantCfg::snapshot(caches, &self.flags);
+        let before = QuantCfg::firsts(caches);
         self.inner.step(ctx, caches);
-        self.cfg.resettle(caches, &before, &mut self.flags);
+        self.cfg.after_step(caches, &before, &mut self.flags);
     }
 }
 
 impl GroupDecodeState for QGroupState {
     fn step(&mut self, ctxs: &[StepCtx], caches: &mut [Vec<HeadCache>]) {
-        let before: Vec<_> = caches
-            .iter()
-            .zip(&self.flags)
-            .map(|(c, f)| QuantCfg::snapshot(c, f))
-            .collect();
+        let before: Vec<_> = caches.iter().map(|c| QuantCfg::firsts(c)).collect();
         self.inner.step(ctxs, caches);
         for ((c, b), f) in caches.iter_mut().zip(&before).zip(self.flags.iter_mut()) {
-            self.cfg.resettle(c, b, f);
+            self.cfg.after_step(c, b, f);
         }
     }
 }
