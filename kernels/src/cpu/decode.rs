@@ -155,11 +155,7 @@ pub fn attend_biased_probs(
         // SAFETY: AVX2 is present; shapes were checked above.
         unsafe { dots_avx2(q, keys, d, x) };
         for j in 0..nq {
-            let (xj, wj, pj) = (
-                &mut x[j * n..(j + 1) * n],
-                &mut w[j * n..(j + 1) * n],
-                &mut p[j * n..(j + 1) * n],
-            );
+            let (xj, wj) = (&mut x[j * n..(j + 1) * n], &mut w[j * n..(j + 1) * n]);
             // 2. logits, their maximum, the shifted logits and their exponentials
             let mut mx = f32::NEG_INFINITY;
             for (l, b) in xj.iter_mut().zip(bias) {
@@ -168,11 +164,14 @@ pub fn attend_biased_probs(
             }
             crate::cpu::exp::exp_shifted(xj, mx, wj);
             xj.iter_mut().for_each(|l| *l -= mx);
-            // 3. the normaliser in entry order, then each entry's probability
-            let zj: f64 = wj.iter().fold(0.0, |s, v| s + v);
-            z[j] = zj;
-            pj.iter_mut()
-                .zip(wj.iter())
+        }
+        // 3. the normalisers in entry order (the queries' sums interleaved,
+        //    each in its own order), then each entry's probability
+        sums_in_order(w, n, z);
+        for (j, zj) in z.iter().enumerate() {
+            p[j * n..(j + 1) * n]
+                .iter_mut()
+                .zip(&w[j * n..(j + 1) * n])
                 .for_each(|(pe, we)| *pe = (we / zj) as f32);
         }
         // 4. out = Σ_e p_e v_e in entry order, up to three queries at a time
@@ -211,6 +210,24 @@ pub fn attend_biased_probs(
         pj.iter_mut()
             .zip(wj.iter())
             .for_each(|(pe, we)| *pe = (we / zj) as f32);
+    }
+}
+
+/// `z[j] = 0 + w[j, 0] + w[j, 1] + ...` for the rows of `w` (m, n), each sum
+/// in entry order, four rows at a time so their additions overlap.
+fn sums_in_order(w: &[f64], n: usize, z: &mut [f64]) {
+    let m = z.len();
+    let mut j0 = 0;
+    while j0 < m {
+        let k = (m - j0).min(4);
+        let mut acc = [0f64; 4];
+        for e in 0..n {
+            for (r, a) in acc.iter_mut().enumerate().take(k) {
+                *a += w[(j0 + r) * n + e];
+            }
+        }
+        z[j0..j0 + k].copy_from_slice(&acc[..k]);
+        j0 += k;
     }
 }
 
@@ -293,38 +310,68 @@ unsafe fn tile<const R: usize, const C: usize>(a: *const f32, b: *const f32, d: 
 
 /// `out[j] = Σ_e p[j, e] v_e` for up to three queries, entries in order,
 /// f32 products then sums (as the portable code): `p` (m, n), `out` (m, d).
+/// Columns go in passes of 64 (one query) or 32 (two or three), so that
+/// enough independent sums are in flight; any width gives the same sums.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-#[allow(clippy::needless_range_loop)] // lanes index several arrays
 unsafe fn weighted_values_avx2(p: &[f32], values: &[f32], d: usize, out: &mut [f32]) {
-    use std::arch::x86_64::*;
     let m = out.len() / d;
-    let n = p.len() / m;
-    let vp = values.as_ptr();
-    let op = out.as_mut_ptr();
     let mut t0 = 0;
     while t0 < d {
-        // 32 columns (4 registers) at a time, 8 at the end
-        let w = if t0 + 32 <= d { 4 } else { 1 };
-        let mut acc = [[_mm256_setzero_ps(); 4]; 3];
-        for e in 0..n {
-            let mut v = [_mm256_setzero_ps(); 4];
-            for r in 0..w {
-                v[r] = _mm256_loadu_ps(vp.add(e * d + t0 + 8 * r));
+        if m == 1 && t0 + 64 <= d {
+            weighted_pass::<1, 8>(p, values, d, out, t0);
+            t0 += 64;
+        } else if t0 + 32 <= d {
+            match m {
+                1 => weighted_pass::<1, 4>(p, values, d, out, t0),
+                2 => weighted_pass::<2, 4>(p, values, d, out, t0),
+                _ => weighted_pass::<3, 4>(p, values, d, out, t0),
             }
-            for j in 0..m {
-                let pe = _mm256_set1_ps(*p.get_unchecked(j * n + e));
-                for r in 0..w {
-                    acc[j][r] = _mm256_add_ps(acc[j][r], _mm256_mul_ps(pe, v[r]));
-                }
+            t0 += 32;
+        } else {
+            match m {
+                1 => weighted_pass::<1, 1>(p, values, d, out, t0),
+                2 => weighted_pass::<2, 1>(p, values, d, out, t0),
+                _ => weighted_pass::<3, 1>(p, values, d, out, t0),
+            }
+            t0 += 8;
+        }
+    }
+}
+
+/// Columns t0 .. t0 + 8W of [`weighted_values_avx2`] for M queries.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+#[allow(clippy::needless_range_loop)] // lanes index several arrays
+unsafe fn weighted_pass<const M: usize, const W: usize>(
+    p: &[f32],
+    values: &[f32],
+    d: usize,
+    out: &mut [f32],
+    t0: usize,
+) {
+    use std::arch::x86_64::*;
+    let n = p.len() / M;
+    let vp = values.as_ptr().add(t0);
+    let mut acc = [[_mm256_setzero_ps(); W]; M];
+    for e in 0..n {
+        let row = vp.add(e * d);
+        for j in 0..M {
+            let pe = _mm256_set1_ps(*p.get_unchecked(j * n + e));
+            for r in 0..W {
+                acc[j][r] = _mm256_add_ps(
+                    acc[j][r],
+                    _mm256_mul_ps(pe, _mm256_loadu_ps(row.add(8 * r))),
+                );
             }
         }
-        for j in 0..m {
-            for r in 0..w {
-                _mm256_storeu_ps(op.add(j * d + t0 + 8 * r), acc[j][r]);
-            }
+    }
+    let op = out.as_mut_ptr();
+    for j in 0..M {
+        for r in 0..W {
+            _mm256_storeu_ps(op.add(j * d + t0 + 8 * r), acc[j][r]);
         }
-        t0 += 8 * w;
     }
 }
 
