@@ -25,6 +25,17 @@ fn decode(c: &mut Criterion) {
             b.iter(|| cpu::attend_biased(black_box(&q), &k, &v, &bias, 0.125, &mut w, &mut o))
         });
     }
+    // GQA: the three query heads of a SmolLM2 KV head over a full cache
+    let (n, nq) = (2112usize, 3usize);
+    let (q, k, v) = (data(nq * d, 21), data(n * d, 22), data(n * d, 23));
+    let bias = vec![0f32; n];
+    let (mut w, mut z, mut o) = (vec![0f64; nq * n], vec![0f64; nq], vec![0f32; nq * d]);
+    g.throughput(Throughput::Elements((nq * n) as u64));
+    g.bench_function(format!("attend_biased_multi/nq={nq},n={n}"), |b| {
+        b.iter(|| {
+            cpu::attend_biased_multi(black_box(&q), &k, &v, &bias, 0.125, &mut w, &mut z, &mut o)
+        })
+    });
     let (a, bm) = (data(64 * d, 4), data(512 * d, 5));
     let mut out = vec![0f32; 64 * 512];
     g.throughput(Throughput::Elements(64 * 512));

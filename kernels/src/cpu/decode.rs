@@ -154,26 +154,8 @@ pub fn attend_biased_probs(
         // 1. every (query, entry) dot product, 8 at a time
         // SAFETY: AVX2 is present; shapes were checked above.
         unsafe { dots_avx2(q, keys, d, x) };
-        for j in 0..nq {
-            let (xj, wj) = (&mut x[j * n..(j + 1) * n], &mut w[j * n..(j + 1) * n]);
-            // 2. logits, their maximum, the shifted logits and their exponentials
-            let mut mx = f32::NEG_INFINITY;
-            for (l, b) in xj.iter_mut().zip(bias) {
-                *l = *l * scale + b;
-                mx = mx.max(*l);
-            }
-            crate::cpu::exp::exp_shifted(xj, mx, wj);
-            xj.iter_mut().for_each(|l| *l -= mx);
-        }
-        // 3. the normalisers in entry order (the queries' sums interleaved,
-        //    each in its own order), then each entry's probability
-        sums_in_order(w, n, z);
-        for (j, zj) in z.iter().enumerate() {
-            p[j * n..(j + 1) * n]
-                .iter_mut()
-                .zip(&w[j * n..(j + 1) * n])
-                .for_each(|(pe, we)| *pe = (we / zj) as f32);
-        }
+        // SAFETY: AVX2 is present; shapes were checked above.
+        unsafe { softmax_rows_avx2(x, w, z, p, bias, scale) };
         // 4. out = Σ_e p_e v_e in entry order, up to three queries at a time
         for q0 in (0..nq).step_by(3) {
             let m = (nq - q0).min(3);
@@ -213,8 +195,59 @@ pub fn attend_biased_probs(
     }
 }
 
+/// Steps 2 and 3 of [`attend_biased_probs`] for every query: `x` holds the
+/// dot products (nq, n) on entry and the shifted logits on return; `w`, `z`,
+/// `p` as there. Compiled for AVX2 (the loops vectorise; the maximum keeps
+/// `f32::max`'s rule of passing over NaN).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn softmax_rows_avx2(
+    x: &mut [f32],
+    w: &mut [f64],
+    z: &mut [f64],
+    p: &mut [f32],
+    bias: &[f32],
+    scale: f32,
+) {
+    use std::arch::x86_64::*;
+    let n = bias.len();
+    for j in 0..z.len() {
+        let (xj, wj) = (&mut x[j * n..(j + 1) * n], &mut w[j * n..(j + 1) * n]);
+        // logits and their maximum (max_ps(l, m) keeps m where l is NaN)
+        let mut m8 = _mm256_set1_ps(f32::NEG_INFINITY);
+        let (sc, body) = (_mm256_set1_ps(scale), n - n % 8);
+        for e in (0..body).step_by(8) {
+            let l = _mm256_add_ps(
+                _mm256_mul_ps(_mm256_loadu_ps(xj.as_ptr().add(e)), sc),
+                _mm256_loadu_ps(bias.as_ptr().add(e)),
+            );
+            _mm256_storeu_ps(xj.as_mut_ptr().add(e), l);
+            m8 = _mm256_max_ps(l, m8);
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), m8);
+        let mut mx = lanes.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+        for e in body..n {
+            xj[e] = xj[e] * scale + bias[e];
+            mx = mx.max(xj[e]);
+        }
+        crate::cpu::exp::exp_shifted(xj, mx, wj);
+        xj.iter_mut().for_each(|l| *l -= mx);
+    }
+    // the normalisers in entry order (the queries' sums interleaved, each in
+    // its own order), then each entry's probability
+    sums_in_order(w, n, z);
+    for (j, zj) in z.iter().enumerate() {
+        p[j * n..(j + 1) * n]
+            .iter_mut()
+            .zip(&w[j * n..(j + 1) * n])
+            .for_each(|(pe, we)| *pe = (we / zj) as f32);
+    }
+}
+
 /// `z[j] = 0 + w[j, 0] + w[j, 1] + ...` for the rows of `w` (m, n), each sum
 /// in entry order, four rows at a time so their additions overlap.
+#[inline(always)]
 fn sums_in_order(w: &[f64], n: usize, z: &mut [f64]) {
     let m = z.len();
     let mut j0 = 0;
