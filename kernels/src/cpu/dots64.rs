@@ -150,6 +150,99 @@ impl ColumnBlocks {
     }
 }
 
+/// `out[j]` = Σ_t x_t · rows[idx[j]][t] in f64, t in order (from −0.0): one
+/// row against the rows `idx` of the row-major `rows` (·, d), without a copy
+/// (four rows at a time, transposed in registers).
+pub fn dots_at(x: &[f32], rows: &[f32], d: usize, idx: &[usize], out: &mut [f64]) {
+    dots_norms_at(x, rows, d, idx, out, None)
+}
+
+/// [`dots_at`], and where `sq` is given, each row's own Σ_t row[t]² (the
+/// square of [`crate::cpu::l2_norm`]) from the same pass.
+pub fn dots_norms_at(
+    x: &[f32],
+    rows: &[f32],
+    d: usize,
+    idx: &[usize],
+    out: &mut [f64],
+    mut sq: Option<&mut [f64]>,
+) {
+    assert!(x.len() == d && out.len() == idx.len(), "dots_at: shapes");
+    assert!(
+        sq.as_ref().is_none_or(|s| s.len() == idx.len()),
+        "dots_at: sq is not (idx,)"
+    );
+    assert!(
+        idx.iter().all(|&j| (j + 1) * d <= rows.len()),
+        "dots_at: a row index is out of range"
+    );
+    let x64: Vec<f64> = x.iter().map(|v| *v as f64).collect();
+    let mut j0 = 0;
+    #[cfg(target_arch = "x86_64")]
+    if d.is_multiple_of(4)
+        && std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+    {
+        while j0 + 4 <= idx.len() {
+            let r =
+                [idx[j0], idx[j0 + 1], idx[j0 + 2], idx[j0 + 3]].map(|j| rows[j * d..].as_ptr());
+            // SAFETY: AVX2 and FMA are present; each of the four rows holds d
+            // floats (checked above) and d is a multiple of 4.
+            let (v, q) = unsafe { dots4_rows_avx2(&x64, r, sq.is_some()) };
+            out[j0..j0 + 4].copy_from_slice(&v);
+            if let Some(s) = sq.as_deref_mut() {
+                s[j0..j0 + 4].copy_from_slice(&q);
+            }
+            j0 += 4;
+        }
+    }
+    for (k, &j) in idx.iter().enumerate().skip(j0) {
+        let row = &rows[j * d..(j + 1) * d];
+        out[k] = x64.iter().zip(row).map(|(a, b)| a * *b as f64).sum();
+        if let Some(s) = sq.as_deref_mut() {
+            s[k] = row.iter().map(|v| (*v as f64) * (*v as f64)).sum();
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots4_rows_avx2(x: &[f64], r: [*const f32; 4], squares: bool) -> ([f64; 4], [f64; 4]) {
+    use std::arch::x86_64::*;
+    let mut acc = _mm256_set1_pd(-0.0);
+    let mut sq = _mm256_set1_pd(-0.0);
+    let mut t = 0;
+    while t < x.len() {
+        let (a, b, c, e) = (
+            _mm_loadu_ps(r[0].add(t)),
+            _mm_loadu_ps(r[1].add(t)),
+            _mm_loadu_ps(r[2].add(t)),
+            _mm_loadu_ps(r[3].add(t)),
+        );
+        // 4 x 4 transpose: column i holds element t + i of the four rows
+        let (ab_lo, ab_hi) = (_mm_unpacklo_ps(a, b), _mm_unpackhi_ps(a, b));
+        let (ce_lo, ce_hi) = (_mm_unpacklo_ps(c, e), _mm_unpackhi_ps(c, e));
+        let cols = [
+            _mm_movelh_ps(ab_lo, ce_lo),
+            _mm_movehl_ps(ce_lo, ab_lo),
+            _mm_movelh_ps(ab_hi, ce_hi),
+            _mm_movehl_ps(ce_hi, ab_hi),
+        ];
+        for (i, col) in cols.into_iter().enumerate() {
+            let y = _mm256_cvtps_pd(col);
+            acc = _mm256_fmadd_pd(_mm256_set1_pd(*x.get_unchecked(t + i)), y, acc);
+            if squares {
+                sq = _mm256_fmadd_pd(y, y, sq);
+            }
+        }
+        t += 4;
+    }
+    let (mut out, mut q) = ([0f64; 4], [0f64; 4]);
+    _mm256_storeu_pd(out.as_mut_ptr(), acc);
+    _mm256_storeu_pd(q.as_mut_ptr(), sq);
+    (out, q)
+}
+
 /// R rows of `x` against one block: R × 4 sums, one FMA per (row, t).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
@@ -204,6 +297,20 @@ mod tests {
                     );
                     assert_eq!(cb.block_dots(&x, j / 4)[j % 4].to_bits(), want.to_bits());
                     assert_eq!(cb.get(j, d - 1), b[j * d + d - 1]);
+                }
+                let idx: Vec<usize> = (0..nb).rev().chain(0..nb.min(3)).collect();
+                let mut at = vec![0f64; idx.len()];
+                let mut sq = vec![0f64; idx.len()];
+                dots_norms_at(&a[i * d..(i + 1) * d], &b, d, &idx, &mut at, Some(&mut sq));
+                for ((o, q), &j) in at.iter().zip(&sq).zip(&idx) {
+                    let row = &b[j * d..(j + 1) * d];
+                    let want = scalar(&a[i * d..(i + 1) * d], row);
+                    assert_eq!(o.to_bits(), want.to_bits(), "dots_at ({i}, {j}) d={d}");
+                    assert_eq!(
+                        q.sqrt().to_bits(),
+                        crate::cpu::l2_norm(row).to_bits(),
+                        "norm {j}"
+                    );
                 }
             }
         }

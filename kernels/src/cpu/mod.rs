@@ -16,7 +16,7 @@ pub use decode::{
     softmax_in_place,
 };
 pub use dequant::{dequantize, BlockType};
-pub use dots64::ColumnBlocks;
+pub use dots64::{dots_at, dots_norms_at, ColumnBlocks};
 pub use exp::{exp_shifted, fast_exp_active};
 pub use linear::linear;
 pub use norm::{argmax, embedding, gelu_tanh_mul, rms_norm, scale, silu_mul};

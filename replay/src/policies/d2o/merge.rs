@@ -2,7 +2,7 @@
 //! kept entry (cosine), tested against the EMA threshold τ and folded into its
 //! match, per head or with one τ shared by the layer's heads.
 
-use kvreplay_kernels::cpu::{l2_norm, ColumnBlocks};
+use kvreplay_kernels::cpu::{dots_norms_at, l2_norm, ColumnBlocks};
 
 use super::config::{D2o, HeadState, MatchOn, Merge, Threshold};
 use crate::cache::HeadCache;
@@ -24,13 +24,24 @@ impl D2o {
     /// at once, [`ColumnBlocks::dots`]), each row's norm computed once.
     fn matches(sim: &[f32], d: usize, evict: &[usize], kept: &[usize]) -> Vec<(usize, f64)> {
         let row = |e: usize| &sim[e * d..(e + 1) * d];
-        let gather = |idx: &[usize]| -> Vec<f32> {
-            idx.iter().flat_map(|&e| row(e).iter().copied()).collect()
-        };
         let nk = kept.len();
         let mut ab = vec![0f64; evict.len() * nk];
-        ColumnBlocks::of_rows(&gather(kept), d).dots(&gather(evict), &mut ab);
-        let kept_norm: Vec<f64> = kept.iter().map(|&k| l2_norm(row(k))).collect();
+        let kept_norm: Vec<f64> = if evict.len() >= 4 {
+            // many rows (the first compression): the kept rows transposed once
+            let gather = |idx: &[usize]| -> Vec<f32> {
+                idx.iter().flat_map(|&e| row(e).iter().copied()).collect()
+            };
+            ColumnBlocks::of_rows(&gather(kept), d).dots(&gather(evict), &mut ab);
+            kept.iter().map(|&k| l2_norm(row(k))).collect()
+        } else {
+            // a step's few evictions: straight from the rows, with their norms
+            let mut sq = vec![0f64; nk];
+            for (i, &e) in evict.iter().enumerate() {
+                let want = (i == 0).then_some(&mut sq[..]);
+                dots_norms_at(row(e), sim, d, kept, &mut ab[i * nk..(i + 1) * nk], want);
+            }
+            sq.iter().map(|q| q.sqrt()).collect()
+        };
         evict
             .iter()
             .enumerate()
