@@ -204,7 +204,7 @@ fn timed_sweep(
         let p = spec.build()?;
         let tp = std::time::Instant::now();
         for &b in budgets {
-            let r = tr.replay(p.as_ref(), Budget::Entries(b))?;
+            let r = tr.replay_spec(name, p.as_ref(), Budget::Entries(b))?;
             points.push((
                 name.to_string(),
                 b,

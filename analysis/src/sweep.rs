@@ -716,7 +716,11 @@ fn prepare(out: &Path, plan: &Plan) -> Result<Vec<String>, SweepError> {
 fn run_point(plan: &Plan, p: &Point, tr: &TraceReplay) -> Result<PointResult, SweepError> {
     let trace = tr.trace();
     let spec = PolicySpec::parse(&plan.policies[p.policy])?;
-    let r = tr.replay(spec.build()?.as_ref(), Budget::Entries(p.budget))?;
+    let r = tr.replay_spec(
+        &plan.policies[p.policy],
+        spec.build()?.as_ref(),
+        Budget::Entries(p.budget),
+    )?;
     let name = trace_name(&plan.traces[p.trace]);
     let short = spec.short();
     let rows: Vec<ResultRow> = r

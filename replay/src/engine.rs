@@ -792,6 +792,8 @@ pub struct TraceReplay<'t> {
     /// Bytes of layer copies (and their full-cache references) kept.
     held: std::sync::Mutex<u64>,
     cap: u64,
+    /// Results of budget-independent policies, by spec ([`Self::replay_spec`]).
+    fixed: std::sync::Mutex<std::collections::HashMap<String, ReplayResult>>,
 }
 
 impl<'t> TraceReplay<'t> {
@@ -810,6 +812,7 @@ impl<'t> TraceReplay<'t> {
             layers: (0..trace.n_layers()).map(|_| Default::default()).collect(),
             held: Default::default(),
             cap: crate::memory::default_cap(),
+            fixed: Default::default(),
         })
     }
 
@@ -890,6 +893,36 @@ impl<'t> TraceReplay<'t> {
             budget: b,
             layers: layers.into_iter().map(|x| x.1).collect(),
         })
+    }
+}
+
+impl TraceReplay<'_> {
+    /// [`replay`](Self::replay) of the policy `spec` builds, for sweeps: a
+    /// policy whose caches do not depend on the budget
+    /// ([`Policy::budget_independent`]: `full`, the fixed-precision stores)
+    /// is replayed once per spec and its result reported at every budget
+    /// (the same bytes a replay at that budget gives).
+    pub fn replay_spec(
+        &self,
+        spec: &str,
+        policy: &dyn Policy,
+        budget: Budget,
+    ) -> Result<ReplayResult, ReplayError> {
+        if !policy.budget_independent() {
+            return self.replay(policy, budget);
+        }
+        check_reads(self.trace, policy, budget)?;
+        let b = budget.resolve(self.trace.manifest.prompt_len())?;
+        let lock = || self.fixed.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = lock().get(spec) {
+            return Ok(ReplayResult {
+                budget: b,
+                layers: r.layers.clone(),
+            });
+        }
+        let r = self.replay(policy, budget)?;
+        lock().insert(spec.to_string(), r.clone());
+        Ok(r)
     }
 }
 

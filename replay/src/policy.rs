@@ -448,6 +448,16 @@ pub trait Policy: Send + Sync {
         prompt_len
     }
 
+    /// Whether the caches, and so every metric, do not depend on the budget
+    /// (the uncompressed cache, a store at a fixed precision): a sweep then
+    /// replays the policy once per trace and reports it at every budget.
+    /// Only say so when the budget reaches nothing: `prefill` never reads
+    /// `ctx.budget`, and `layer_groups` and `prompt_queries` ignore it (a
+    /// registry test replays each such policy at two budgets and compares).
+    fn budget_independent(&self) -> bool {
+        false
+    }
+
     /// Whether the policy also compresses sliding-window layers (the
     /// `+sliding` wrapper). By default a sliding layer keeps its window
     /// uncompressed: its cache is already bounded by W.

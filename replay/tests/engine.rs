@@ -212,3 +212,56 @@ fn replay_output_is_replaced_only_with_force_and_only_when_whole() {
         .collect();
     assert!(!names.iter().any(|n| n.contains("replaced")), "{names:?}");
 }
+
+/// Every policy that says its caches do not depend on the budget
+/// (`Policy::budget_independent`) gives the same result at every budget, so
+/// a sweep may replay it once per trace (`TraceReplay::replay_spec`); and
+/// what replay_spec reports equals a fresh replay at each budget.
+#[test]
+fn budget_independent_policies_give_the_same_result_at_every_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = Trace::open(write_trace(tmp.path(), &layers(2, 30, 36))).unwrap();
+    let mut seen = Vec::new();
+    for info in kvreplay_replay::REGISTRY.iter() {
+        for spec in [
+            info.name.to_string(),
+            format!("full+{}", info.name),
+            format!("snapkv:w=4+{}", info.name),
+        ] {
+            let Ok(s) = PolicySpec::parse(&spec) else {
+                continue;
+            };
+            let Ok(p) = s.build() else { continue };
+            if !p.budget_independent() {
+                continue;
+            }
+            seen.push(spec.clone());
+            let tr = kvreplay_replay::TraceReplay::new(&trace, &Default::default()).unwrap();
+            let at = |b| replay(&trace, p.as_ref(), Budget::Entries(b)).unwrap();
+            let base = format!("{:?}", at(4).layers);
+            for b in [9, 30] {
+                assert_eq!(
+                    format!("{:?}", at(b).layers),
+                    base,
+                    "{spec}: budget {b} changed the result"
+                );
+                let r = tr
+                    .replay_spec(&spec, p.as_ref(), Budget::Entries(b))
+                    .unwrap();
+                assert_eq!(
+                    (r.budget, format!("{:?}", r.layers)),
+                    (b, base.clone()),
+                    "{spec} via replay_spec"
+                );
+            }
+        }
+    }
+    // the uncompressed cache, the quantised one, and the fixed-precision stores
+    for want in ["full", "quant", "full+quant", "gear", "mustafar", "kvquant"] {
+        assert!(
+            seen.contains(&want.to_string()),
+            "{want} should be budget-independent: {seen:?}"
+        );
+    }
+    assert!(!seen.iter().any(|s| s.starts_with("snapkv")), "{seen:?}");
+}

@@ -28,6 +28,9 @@ impl Policy for Full {
     fn name(&self) -> String {
         "full".into()
     }
+    fn budget_independent(&self) -> bool {
+        true
+    }
     /// Reads no query.
     fn prompt_queries(&self, _: usize, _: usize) -> usize {
         0

@@ -259,6 +259,9 @@ impl Policy for Gear {
     fn name(&self) -> String {
         "gear".into()
     }
+    fn budget_independent(&self) -> bool {
+        true
+    }
     fn prompt_queries(&self, _: usize, _: usize) -> usize {
         0
     }

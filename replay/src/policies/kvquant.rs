@@ -238,6 +238,9 @@ impl Policy for KvQuant {
     fn name(&self) -> String {
         "kvquant".into()
     }
+    fn budget_independent(&self) -> bool {
+        true
+    }
     fn prompt_queries(&self, _: usize, _: usize) -> usize {
         0
     }

@@ -81,6 +81,9 @@ impl Policy for Mustafar {
     fn name(&self) -> String {
         "mustafar".into()
     }
+    fn budget_independent(&self) -> bool {
+        true
+    }
     fn prompt_queries(&self, _: usize, _: usize) -> usize {
         0
     }

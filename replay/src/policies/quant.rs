@@ -189,6 +189,9 @@ impl Policy for Quant {
     fn name(&self) -> String {
         format!("{}+quant", self.base.name())
     }
+    fn budget_independent(&self) -> bool {
+        self.base.budget_independent()
+    }
     /// What the policy it quantises reads.
     fn prompt_queries(&self, p: usize, b: usize) -> usize {
         self.base.prompt_queries(p, b)

@@ -36,6 +36,9 @@ impl Policy for Sliding {
     fn name(&self) -> String {
         format!("{}+sliding", self.base.name())
     }
+    fn budget_independent(&self) -> bool {
+        self.base.budget_independent()
+    }
     fn prompt_queries(&self, p: usize, b: usize) -> usize {
         self.base.prompt_queries(p, b)
     }

@@ -113,6 +113,9 @@ impl Policy for Think {
     fn name(&self) -> String {
         format!("{}+think", self.base.name())
     }
+    fn budget_independent(&self) -> bool {
+        self.base.budget_independent()
+    }
     /// The base's rows and the last w.
     fn prompt_queries(&self, p: usize, b: usize) -> usize {
         self.base.prompt_queries(p, b).max(self.w.min(p))
