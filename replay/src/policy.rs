@@ -238,6 +238,21 @@ impl<'a> PrefillCtx<'a> {
     pub fn rope(&self) -> Option<kvreplay_kernels::cpu::RopeParams> {
         self.data.rope
     }
+    /// The layer's RoPE with a row for every position of the trace, shared
+    /// by every policy and budget replayed on the layer (None without RoPE
+    /// parameters).
+    pub fn rope_cache(&self) -> Option<std::sync::Arc<kvreplay_kernels::cpu::RopeCache>> {
+        #[derive(PartialEq, Debug)]
+        struct RopeRows;
+        impl crate::memo::MemoKey for RopeRows {
+            type Value = kvreplay_kernels::cpu::RopeCache;
+        }
+        let p = self.rope()?;
+        let n = self.data.total_len;
+        Some(self.memo(RopeRows, || {
+            kvreplay_kernels::cpu::RopeCache::with_positions(p, n)
+        }))
+    }
     /// `f()`, computed once per layer and `key` and reused by every budget
     /// and policy replayed through the same trace: for results that do not
     /// depend on the budget. The key names everything the value depends on

@@ -100,15 +100,27 @@ pub fn rope_table(rows: usize, pos0: usize, p: &RopeParams, sign: f64) -> Vec<f3
 }
 
 /// (cos, sin) rows per position, computed on first use and kept: for code
-/// that rotates single vectors at scattered positions many times.
+/// that rotates single vectors at scattered positions many times. Positions
+/// below [`with_positions`](Self::with_positions)' count are read without a
+/// lock.
 pub struct RopeCache {
     p: RopeParams,
+    /// Rows of positions 0 .. n, computed up front.
+    table: Vec<f32>,
+    /// Rows of positions n .. (grown on demand).
     rows: std::sync::Mutex<Vec<f32>>,
 }
 
 impl RopeCache {
     pub fn new(p: RopeParams) -> RopeCache {
+        RopeCache::with_positions(p, 0)
+    }
+
+    /// A cache with the rows of positions 0 .. n computed now (the same
+    /// values as computing them on demand).
+    pub fn with_positions(p: RopeParams, n: usize) -> RopeCache {
         RopeCache {
+            table: rope_table(n, 0, &p, 1.0),
             p,
             rows: std::sync::Mutex::new(Vec::new()),
         }
@@ -123,19 +135,30 @@ impl RopeCache {
     /// [`unapply_rope`] on that vector (cos is even and sin odd in libm).
     pub fn rotate(&self, x: &mut [f32], pos: usize, sign: f64) {
         let w = self.p.rotated_dims; // (half, 2) per position
-        let mut row = {
+        let mut buf = [0f32; 256];
+        let mut heap = Vec::new();
+        let row: &mut [f32] = if w <= buf.len() {
+            &mut buf[..w]
+        } else {
+            heap.resize(w, 0.0);
+            &mut heap
+        };
+        let n0 = self.table.len() / w.max(1);
+        if pos < n0 {
+            row.copy_from_slice(&self.table[pos * w..(pos + 1) * w]);
+        } else {
             let mut rows = self.rows.lock().expect("rope cache lock");
-            let have = rows.len() / w.max(1);
+            let have = n0 + rows.len() / w.max(1);
             if pos >= have {
                 let more = rope_table(pos + 1 - have, have, &self.p, 1.0);
                 rows.extend_from_slice(&more);
             }
-            rows[pos * w..(pos + 1) * w].to_vec()
-        };
+            row.copy_from_slice(&rows[(pos - n0) * w..(pos - n0 + 1) * w]);
+        }
         if sign < 0.0 {
             row.iter_mut().skip(1).step_by(2).for_each(|s| *s = -*s);
         }
-        rotate_with_table(x, 1, x.len(), self.p.style, self.p.rotated_dims, &row);
+        rotate_with_table(x, 1, x.len(), self.p.style, self.p.rotated_dims, row);
     }
 }
 
@@ -207,11 +230,14 @@ mod tests {
             llama3: None,
         };
         let cache = RopeCache::new(p);
-        for pos in [5usize, 0, 3000, 17] {
+        let table = RopeCache::with_positions(p, 20);
+        for pos in [5usize, 0, 3000, 17, 19, 20, 21, 2000] {
             for sign in [1.0, -1.0] {
                 let x0: Vec<f32> = (0..8).map(|i| (i as f32 - 3.3) * 0.7).collect();
-                let (mut a, mut b) = (x0.clone(), x0.clone());
+                let (mut a, mut b, mut c) = (x0.clone(), x0.clone(), x0.clone());
                 cache.rotate(&mut a, pos, sign);
+                table.rotate(&mut c, pos, sign);
+                assert_eq!(a, c, "with_positions, pos {pos} sign {sign}");
                 if sign > 0.0 {
                     apply_rope(&mut b, 1, 8, pos, &p);
                 } else {

@@ -3,6 +3,8 @@
 
 use crate::params::{choice_enum, Params};
 use crate::ReplayError;
+use std::sync::Arc;
+
 use kvreplay_kernels::cpu::RopeCache;
 
 choice_enum! {
@@ -166,7 +168,7 @@ pub(super) struct Shape {
     pub(super) n_tbm: usize,
     pub(super) s_max: usize,
     pub(super) l_win: usize,
-    pub(super) rope: Option<RopeCache>,
+    pub(super) rope: Option<Arc<RopeCache>>,
 }
 
 impl Ems {

@@ -3,6 +3,8 @@
 //! table of both; the key spaces entries live in; a head's expansion into the
 //! engine's cache (one entry per slot).
 
+use std::sync::Arc;
+
 use kvreplay_kernels::cpu::{l2_norm, ColumnBlocks, RopeCache};
 
 use super::config::{Ems, Shape};
@@ -54,7 +56,7 @@ impl Entry {
     }
 
     /// Recompute the cached similarity vector and norms after `dir` or `val` changed.
-    pub(super) fn refresh(&mut self, cfg: &Ems, rope: &Option<RopeCache>) {
+    pub(super) fn refresh(&mut self, cfg: &Ems, rope: &Option<Arc<RopeCache>>) {
         self.sim = cfg.sim_vec(&self.dir, self.anchor, rope);
         self.sim_norm = l2_norm(&self.sim);
         self.val_norm = l2_norm(&self.val);
@@ -136,7 +138,12 @@ impl HeadState {
 
 impl Ems {
     /// Key as merged: raw (un-rotated at its position) or as captured.
-    pub(super) fn key_space(&self, k: &[f32], pos: usize, rope: &Option<RopeCache>) -> Vec<f32> {
+    pub(super) fn key_space(
+        &self,
+        k: &[f32],
+        pos: usize,
+        rope: &Option<Arc<RopeCache>>,
+    ) -> Vec<f32> {
         let mut x = k.to_vec();
         if self.raw_space() {
             rope.as_ref()
@@ -147,7 +154,12 @@ impl Ems {
     }
 
     /// Similarity vector of an entry's direction (positional with sim_pos in raw space).
-    pub(super) fn sim_vec(&self, dir: &[f32], anchor: usize, rope: &Option<RopeCache>) -> Vec<f32> {
+    pub(super) fn sim_vec(
+        &self,
+        dir: &[f32],
+        anchor: usize,
+        rope: &Option<Arc<RopeCache>>,
+    ) -> Vec<f32> {
         let mut x = dir.to_vec();
         if self.sim_pos && self.raw_space() {
             rope.as_ref()

@@ -26,8 +26,6 @@ mod prefill;
 
 use std::sync::Arc;
 
-use kvreplay_kernels::cpu::RopeCache;
-
 use crate::cache::HeadCache;
 use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
@@ -105,7 +103,7 @@ impl Policy for Ems {
             n_tbm,
             s_max: b.saturating_add(n_tbm),
             l_win,
-            rope: ctx.rope().map(RopeCache::new),
+            rope: ctx.rope_cache(),
         };
         let states = self.prefill_states(ctx, &sh);
         let caches = states.iter().map(|st| self.expand(st, &sh)).collect();
