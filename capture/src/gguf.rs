@@ -639,6 +639,23 @@ impl GgufFile {
 
     /// Dequantise tensor `name` to f32, checking its shape (innermost first).
     pub fn tensor_f32(&self, name: &str, dims: &[u64]) -> Result<Vec<f32>, CaptureError> {
+        let (ty, data, n) = self.tensor_raw(name, dims)?;
+        let mut out = vec![0f32; n];
+        dequantize(ty, data, &mut out).map_err(|e| CaptureError::Tensor {
+            path: self.path.clone(),
+            tensor: name.into(),
+            msg: e.to_string(),
+        })?;
+        Ok(out)
+    }
+
+    /// Tensor `name` as stored: its block type, its bytes and its element
+    /// count, with its shape (innermost first) checked.
+    pub fn tensor_raw(
+        &self,
+        name: &str,
+        dims: &[u64],
+    ) -> Result<(BlockType, &[u8], usize), CaptureError> {
         let bad = |msg: String| CaptureError::Tensor {
             path: self.path.clone(),
             tensor: name.into(),
@@ -681,9 +698,10 @@ impl GgufFile {
                 self.data.len()
             ))
         })?;
-        let mut out = vec![0f32; n];
-        dequantize(ty, data, &mut out).map_err(|e| bad(e.to_string()))?;
-        Ok(out)
+        if ty.bytes_for(n) != Some(data.len()) {
+            return Err(bad(format!("{} bytes for {n} {ty:?} elements", data.len())));
+        }
+        Ok((ty, data, n))
     }
 
     /// The raw file bytes (for checksumming).

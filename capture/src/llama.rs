@@ -45,7 +45,7 @@
 //! - no final-logit or attention softcapping in Gemma 3 (files that carry
 //!   `*.final_logit_softcapping` / `*.attn_logit_softcapping` are refused).
 
-use kvreplay_kernels::cpu::{argmax, RopeParams, RopeStyle};
+use kvreplay_kernels::cpu::{argmax, QuantMatrix, RopeParams, RopeStyle};
 use kvreplay_kernels::{AttnShape, Backend, Buf, KernelError, Weight};
 
 use crate::gguf::GgufFile;
@@ -142,9 +142,16 @@ pub struct Llama {
 
 /// GGUF rows of one Q/K head are ordered so that pairs (2i, 2i+1) rotate
 /// together; HF pairs (i, i + d/2). GGUF row 2i + j holds HF row j*d/2 + i.
-pub fn unpermute_rows(w: &[f32], n_heads: usize, head_dim: usize, cols: usize) -> Vec<f32> {
+/// `cols` is the row length in elements of `w` (f32 values, or bytes of a
+/// quantised row).
+pub fn unpermute_rows<T: Copy + Default>(
+    w: &[T],
+    n_heads: usize,
+    head_dim: usize,
+    cols: usize,
+) -> Vec<T> {
     let half = head_dim / 2;
-    let mut out = vec![0f32; w.len()];
+    let mut out = vec![T::default(); w.len()];
     for h in 0..n_heads {
         for i in 0..half {
             for j in 0..2 {
@@ -339,9 +346,11 @@ impl LlamaConfig {
 }
 
 impl Llama {
-    /// Load and dequantise every weight to f32. A tensor the architecture
-    /// does not use (a bias on llama, MoE experts, ...) is refused by name
-    /// rather than ignored.
+    /// Load every weight: matrices of the quantised block types stay as
+    /// their blocks (the CPU multiplies by them directly; see
+    /// `kvreplay_kernels::cpu::qlinear`), everything else is dequantised to
+    /// f32. A tensor the architecture does not use (a bias on llama, MoE
+    /// experts, ...) is refused by name rather than ignored.
     pub fn from_gguf(g: &GgufFile) -> Result<Llama, CaptureError> {
         let cfg = LlamaConfig::from_gguf(g)?;
         let arch = g.get_str("general.architecture")?;
@@ -360,23 +369,53 @@ impl Llama {
             used.borrow_mut().insert(name);
             w
         };
-        let embed = get("token_embd.weight".into(), &[d, v])?.into();
+        // A matrix (out, in): kept quantised when the CPU kernels multiply by
+        // its block type directly (no f32 copy), else dequantised to f32;
+        // `heads` un-permutes llama's Q/K rows (whole rows of blocks).
+        let matrix = |name: String, dims: &[u64], heads: Option<usize>| {
+            let (ty, data, _) = g.tensor_raw(&name, dims)?;
+            let (rows, cols) = (dims[1] as usize, dims[0] as usize);
+            let w = if QuantMatrix::supports(ty) {
+                let rb = data.len() / rows.max(1);
+                let bytes = match heads {
+                    Some(h) => unpermute_rows(data, h, cfg.head_dim, rb),
+                    None => data.to_vec(),
+                };
+                QuantMatrix::new(ty, rows, cols, bytes)
+                    .map_err(|e| CaptureError::Tensor {
+                        path: g.path.clone(),
+                        tensor: name.clone(),
+                        msg: e.to_string(),
+                    })?
+                    .into()
+            } else {
+                let w = g.tensor_f32(&name, dims)?;
+                match heads {
+                    Some(h) => unpermute_rows(&w, h, cfg.head_dim, cols),
+                    None => w,
+                }
+                .into()
+            };
+            used.borrow_mut().insert(name);
+            Ok::<Weight, CaptureError>(w)
+        };
+        let embed = matrix("token_embd.weight".into(), &[d, v], None)?;
         let out_norm = get("output_norm.weight".into(), &[d])?.into();
         let lm_head = match g.tensor_info("output.weight") {
-            Some(_) => Some(get("output.weight".into(), &[d, v])?.into()),
+            Some(_) => Some(matrix("output.weight".into(), &[d, v], None)?),
             None => None,
         };
         let layers = (0..cfg.n_layers)
             .map(|l| {
                 let t = |name: &str, dims: &[u64]| get(format!("blk.{l}.{name}.weight"), dims);
+                let mat =
+                    |name: &str, dims: &[u64]| matrix(format!("blk.{l}.{name}.weight"), dims, None);
                 let qk = |name: &str, heads: usize| -> Result<Weight, CaptureError> {
-                    let w = t(name, &[d, heads as u64 * hd])?;
-                    Ok(if cfg.permuted_qk {
-                        unpermute_rows(&w, heads, cfg.head_dim, cfg.d_model)
-                    } else {
-                        w
-                    }
-                    .into())
+                    matrix(
+                        format!("blk.{l}.{name}.weight"),
+                        &[d, heads as u64 * hd],
+                        cfg.permuted_qk.then_some(heads),
+                    )
                 };
                 let opt =
                     |on: bool, name: &str, dim: u64| -> Result<Option<Weight>, CaptureError> {
@@ -402,16 +441,16 @@ impl Llama {
                     post_ffn_norm: opt(cfg.post_norms, "post_ffw_norm", d)?,
                     wq: qk("attn_q", cfg.n_heads)?,
                     wk: qk("attn_k", cfg.n_kv_heads)?,
-                    wv: t("attn_v", &[d, kv * hd])?.into(),
-                    wo: t("attn_output", &[h * hd, d])?.into(),
+                    wv: mat("attn_v", &[d, kv * hd])?,
+                    wo: mat("attn_output", &[h * hd, d])?,
                     bq: bias(qkv_bias, "attn_q", h * hd)?,
                     bk: bias(qkv_bias, "attn_k", kv * hd)?,
                     bv: bias(qkv_bias, "attn_v", kv * hd)?,
                     bo: None,
                     ffn_norm: t("ffn_norm", &[d])?.into(),
-                    w_gate: t("ffn_gate", &[d, f])?.into(),
-                    w_up: t("ffn_up", &[d, f])?.into(),
-                    w_down: t("ffn_down", &[f, d])?.into(),
+                    w_gate: mat("ffn_gate", &[d, f])?,
+                    w_up: mat("ffn_up", &[d, f])?,
+                    w_down: mat("ffn_down", &[f, d])?,
                 })
             })
             .collect::<Result<_, CaptureError>>()?;
@@ -606,9 +645,12 @@ impl Llama {
                 .expect("a table per layer RoPE")
                 .1;
             let h = be.norm(&x, &w.attn_norm, cfg.norm_eps)?;
-            let mut q = be.matmul(&h, &w.wq, c, dm, nh * hd)?; // (c, n_heads * head_dim)
-            let mut k = be.matmul(&h, &w.wk, c, dm, nkv * hd)?; // (c, n_kv_heads * head_dim)
-            let mut v = be.matmul(&h, &w.wv, c, dm, nkv * hd)?;
+            // q (c, n_heads * head_dim), k and v (c, n_kv_heads * head_dim)
+            let qkv = [(&w.wq, nh * hd), (&w.wk, nkv * hd), (&w.wv, nkv * hd)];
+            let [mut q, mut k, mut v]: [Buf; 3] = be
+                .matmul_many(&h, &qkv, c, dm)?
+                .try_into()
+                .expect("three products");
             add_bias(&mut q, &w.bq)?;
             add_bias(&mut k, &w.bk)?;
             add_bias(&mut v, &w.bv)?;
@@ -689,8 +731,11 @@ impl Llama {
             be.add_assign(&mut x, &attn)?;
             // Gated MLP (SwiGLU or GeGLU)
             let h = be.norm(&x, &w.ffn_norm, cfg.norm_eps)?;
-            let mut gate = be.matmul(&h, &w.w_gate, c, dm, cfg.ffn_dim)?;
-            let up = be.matmul(&h, &w.w_up, c, dm, cfg.ffn_dim)?;
+            let gate_up = [(&w.w_gate, cfg.ffn_dim), (&w.w_up, cfg.ffn_dim)];
+            let [mut gate, up]: [Buf; 2] = be
+                .matmul_many(&h, &gate_up, c, dm)?
+                .try_into()
+                .expect("two products");
             match cfg.activation {
                 Activation::Silu => be.swiglu(&mut gate, &up)?,
                 Activation::GeluTanh => be.gelu_tanh_mul(&mut gate, &up)?,

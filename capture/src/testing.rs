@@ -89,6 +89,54 @@ pub fn q8_0_tensor(name: &str, dims: &[u64], seed: u64, scale: f32) -> RawTensor
     }
 }
 
+/// Q4_1 blocks as ggml's reference quantiser makes them: m = min, d = (max
+/// − min) / 15, q = round((x − m) / d).
+pub fn q4_1_bytes(w: &[f32]) -> Vec<u8> {
+    let mut data = Vec::new();
+    for block in w.chunks(32) {
+        let mn = block.iter().fold(f32::INFINITY, |a, x| a.min(*x));
+        let mx = block.iter().fold(f32::NEG_INFINITY, |a, x| a.max(*x));
+        let d = (mx - mn) / 15.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        data.extend_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        data.extend_from_slice(&half::f16::from_f32(mn).to_le_bytes());
+        let q: Vec<u8> = block
+            .iter()
+            .map(|x| (((x - mn) * id + 0.5) as u8).min(15))
+            .collect();
+        data.extend((0..16).map(|i| q[i] | (q[i + 16] << 4)));
+    }
+    data
+}
+
+/// Re-type every f32 layer matrix (`blk.N.*` with two dimensions) of a tiny
+/// model as `ggml_type` (3 = Q4_1, or 0 = f32 holding the Q4_1 values
+/// dequantised: the quantised model's f32 twin).
+pub fn retype_layer_matrices(t: &mut [RawTensor], ggml_type: u32) {
+    use kvreplay_kernels::cpu::{dequantize, BlockType};
+    for x in t.iter_mut() {
+        if !(x.name.starts_with("blk.") && x.dims.len() == 2 && x.ggml_type == 0) {
+            continue;
+        }
+        let w: Vec<f32> = x
+            .data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let q = q4_1_bytes(&w);
+        x.data = match ggml_type {
+            3 => q,
+            0 => {
+                let mut f = vec![0f32; w.len()];
+                dequantize(BlockType::Q4_1, &q, &mut f).unwrap();
+                f.iter().flat_map(|v| v.to_le_bytes()).collect()
+            }
+            other => panic!("retype_layer_matrices: type {other}"),
+        };
+        x.ggml_type = ggml_type;
+    }
+}
+
 pub struct Tweak {
     pub arch: &'static str,
     /// ggml type written for blk.0.ffn_up (0 = F32).

@@ -13,6 +13,25 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
+/// A (rows, cols) matrix of `ty` blocks with modest f16 scales.
+fn quant_matrix(ty: BlockType, rows: usize, cols: usize) -> cpu::QuantMatrix {
+    let nb = rows * cols / ty.block_elems();
+    let bb = ty.block_bytes();
+    let mut raw: Vec<u8> = (0..nb * bb).map(|i| (i * 131 % 251) as u8).collect();
+    let f16s: &[usize] = match ty {
+        BlockType::Q6_K => &[208],
+        BlockType::Q4_1 | BlockType::Q4_K | BlockType::Q5_K => &[0, 2],
+        _ => &[0],
+    };
+    for b in 0..nb {
+        for &off in f16s {
+            raw[b * bb + off..b * bb + off + 2]
+                .copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+        }
+    }
+    cpu::QuantMatrix::new(ty, rows, cols, raw).unwrap()
+}
+
 fn decode(c: &mut Criterion) {
     let d = 64;
     let mut g = c.benchmark_group("decode");
@@ -96,6 +115,59 @@ fn capture_ops(c: &mut Criterion) {
             )
         })
     });
+    // A layer's attention (SmolLM2: 9 query heads over 3 KV heads): a
+    // 256-query prefill chunk at 1792, and one decode step at 2111.
+    let (nh, nkv, cap) = (9, 3, 2112);
+    let (kc, vc) = (data(nkv * cap * d, 13), data(nkv * cap * d, 14));
+    for (c_len, pos0) in [(256usize, 1792usize), (1, 2111)] {
+        let q = data(nh * c_len * d, 15);
+        let mut o = vec![0f32; nh * c_len * d];
+        let mut colsum = vec![0f32; nh * cap];
+        let keys = (pos0 + c_len) * nh;
+        g.throughput(Throughput::Elements(
+            ((c_len as f64 / 2.0 + pos0 as f64) * nh as f64 * c_len as f64) as u64,
+        ));
+        g.bench_function(format!("attention_heads/9x{c_len} at {pos0}"), |b| {
+            b.iter(|| {
+                cpu::attention_heads(
+                    black_box(&q),
+                    &kc,
+                    &vc,
+                    (nh, nkv, cap, d),
+                    pos0,
+                    None,
+                    0.125,
+                    &mut o,
+                    (c_len > 1).then_some(&mut colsum[..]),
+                    None,
+                )
+            })
+        });
+        let _ = keys;
+    }
+    let mut row = data(2048, 16);
+    g.throughput(Throughput::Elements(2048));
+    g.bench_function("softmax_row/2048", |b| {
+        b.iter(|| cpu::softmax_row(black_box(&mut row), 0.01))
+    });
+    // Quantised products (fused for m = 1, dequantise + gemm for m = 256),
+    // SmolLM2's Q4_1 FFN and Q8_0 output head, Gemma 3's Q5_0/Q4_K/Q6_K.
+    for (ty, m, k, n) in [
+        (BlockType::Q4_1, 1usize, 576usize, 1536usize),
+        (BlockType::Q4_1, 256, 576, 1536),
+        (BlockType::Q8_0, 1, 576, 49152),
+        (BlockType::Q5_0, 1, 640, 2048),
+        (BlockType::Q4_K, 1, 2048, 640),
+        (BlockType::Q6_K, 1, 2048, 640),
+    ] {
+        let w = quant_matrix(ty, n, k);
+        let x = data(m * k, 17);
+        let mut out = vec![0f32; m * n];
+        g.throughput(Throughput::Elements((2 * m * k * n) as u64)); // flops
+        g.bench_function(format!("linear_quant/{ty:?} {m}x{k}x{n}"), |b| {
+            b.iter(|| cpu::linear_quant(black_box(&x), &w, &mut out, m, k, n))
+        });
+    }
     let blocks = 1 << 15;
     let raw: Vec<u8> = (0..blocks * 20)
         .map(|i| (i * 31 % 251) as u8 & 0x3f)

@@ -32,6 +32,13 @@ pub use weight::Weight;
 pub const BLOCK: u32 = 256;
 const _: () = assert!(BLOCK.is_power_of_two());
 
+/// Queries per block of the attention's column sums: each block's rows are
+/// added (in order, from zero) into a part that is then added to the column
+/// sum, blocks in order, on the CPU (`cpu::attention`, which also splits its
+/// work into blocks of this many queries) and in the CUDA `column_sums`.
+/// Passed to NVRTC as `-DATTN_ROWS=...`.
+pub const ATTN_ROWS: u32 = 32;
+
 /// Keys per split of the CUDA attention's product with v (`probs_times_v`):
 /// partial sums over fixed runs of keys, added in order by `sum_splits`.
 /// Passed to NVRTC as `-DKEY_SPLIT=...`.

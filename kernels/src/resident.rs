@@ -15,11 +15,9 @@
 
 use std::borrow::Cow;
 
-use rayon::prelude::*;
-
 use crate::backend::check;
 use crate::buf::{transfers, AttnShape, Buf};
-use crate::cpu::{self, AttentionStats, RopeParams};
+use crate::cpu::{self, RopeParams};
 use crate::{Backend, KernelError, Weight};
 
 impl Backend {
@@ -72,7 +70,10 @@ impl Backend {
         match self {
             Backend::Cpu => {
                 let mut out = vec![0f32; ids.len() * dim];
-                cpu::embedding(table, dim, ids, &mut out);
+                match table.quant() {
+                    Some(q) if q.cols() == dim => cpu::embedding_quant(q, ids, &mut out),
+                    _ => cpu::embedding(table, dim, ids, &mut out),
+                }
                 Ok(Buf::Host(out))
             }
             #[cfg(feature = "cuda")]
@@ -89,17 +90,57 @@ impl Backend {
         k: usize,
         n: usize,
     ) -> Result<Buf, KernelError> {
-        check(x.len() == m * k && w.len() == n * k, "linear", || {
-            format!("x {} w {} for m={m} k={k} n={n}", x.len(), w.len())
-        })?;
+        match self {
+            Backend::Cpu => Ok(self.matmul_many(x, &[(w, n)], m, k)?.remove(0)),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => {
+                check(x.len() == m * k && w.len() == n * k, "linear", || {
+                    format!("x {} w {:?} for m={m} k={k} n={n}", x.len(), w)
+                })?;
+                c.matmul(x, w, m, k, n)
+            }
+        }
+    }
+
+    /// [`Backend::matmul`] of one input by several weights (n_i, k): q, k
+    /// and v, or gate and up. On the CPU their tiles share one parallel
+    /// region; results are those of separate calls.
+    pub fn matmul_many(
+        &self,
+        x: &Buf,
+        ws: &[(&Weight, usize)],
+        m: usize,
+        k: usize,
+    ) -> Result<Vec<Buf>, KernelError> {
+        for (w, n) in ws {
+            let n = *n;
+            check(
+                x.len() == m * k
+                    && w.len() == n * k
+                    && w.quant().is_none_or(|q| q.rows() == n && q.cols() == k),
+                "linear",
+                || format!("x {} w {:?} for m={m} k={k} n={n}", x.len(), w),
+            )?;
+        }
         match self {
             Backend::Cpu => {
-                let mut out = vec![0f32; m * n];
-                cpu::linear(x.host(), w, &mut out, m, k, n);
-                Ok(Buf::Host(out))
+                let mut outs: Vec<Vec<f32>> = ws.iter().map(|(_, n)| vec![0f32; m * n]).collect();
+                let refs: Vec<cpu::WeightRef<'_>> = ws
+                    .iter()
+                    .map(|(w, _)| match w.quant() {
+                        Some(q) => cpu::WeightRef::Quant(q),
+                        None => cpu::WeightRef::F32(w),
+                    })
+                    .collect();
+                let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| &mut o[..]).collect();
+                cpu::linear_many(x.host(), m, k, &refs, &mut slices);
+                Ok(outs.into_iter().map(Buf::Host).collect())
             }
             #[cfg(feature = "cuda")]
-            Backend::Cuda(c) => c.matmul(x, w, m, k, n),
+            Backend::Cuda(_) => ws
+                .iter()
+                .map(|(w, n)| self.matmul(x, w, m, k, *n))
+                .collect(),
         }
     }
 
@@ -366,45 +407,19 @@ impl Backend {
         }
         match self {
             Backend::Cpu => {
-                let group = nh / nkv;
-                let (q, kc, vc) = (q.host(), k.host(), v.host());
                 let mut o = vec![0f32; nh * c * d];
-                let n_tracked = colsum.as_ref().map_or(0, |cs| cs.len() / nh);
-                let mut colsum_heads: Vec<Option<&mut [f32]>> = match colsum {
-                    Some(cs) => cs
-                        .host_mut()
-                        .chunks_mut(n_tracked.max(1))
-                        .map(Some)
-                        .collect(),
-                    None => (0..nh).map(|_| None).collect(),
-                };
-                colsum_heads.resize_with(nh, || None);
-                let mut probs_heads: Vec<Option<&mut [f32]>> = match probs {
-                    Some(p) => p.host_mut().chunks_mut(c * n).map(Some).collect(),
-                    None => (0..nh).map(|_| None).collect(),
-                };
-                o.par_chunks_mut(c * d)
-                    .zip(colsum_heads.par_iter_mut())
-                    .zip(probs_heads.par_iter_mut())
-                    .enumerate()
-                    .for_each(|(head, ((out, cs), pr))| {
-                        let g = head / group;
-                        let kv = g * cap * d..(g * cap + n) * d;
-                        cpu::windowed_attention_head(
-                            &q[head * c * d..(head + 1) * c * d],
-                            &kc[kv.clone()],
-                            &vc[kv],
-                            d,
-                            pos0,
-                            window,
-                            s.scale,
-                            out,
-                            AttentionStats {
-                                colsum: cs.as_deref_mut(),
-                                probs: pr.as_deref_mut(),
-                            },
-                        )
-                    });
+                cpu::attention_heads(
+                    q.host(),
+                    k.host(),
+                    v.host(),
+                    (nh, nkv, cap, d),
+                    pos0,
+                    window,
+                    s.scale,
+                    &mut o,
+                    colsum.map(|cs| cs.host_mut()),
+                    probs.map(|p| p.host_mut()),
+                );
                 Ok(Buf::Host(o))
             }
             #[cfg(feature = "cuda")]
@@ -429,7 +444,16 @@ mod tests {
     fn head_dim_zero_is_an_error_not_a_division_by_zero() {
         let be = Backend::Cpu;
         let e = be
-            .causal_attention_head(&[], &[], &[], 0, 0, 1.0, &mut [], AttentionStats::default())
+            .causal_attention_head(
+                &[],
+                &[],
+                &[],
+                0,
+                0,
+                1.0,
+                &mut [],
+                cpu::AttentionStats::default(),
+            )
             .unwrap_err();
         assert!(e.to_string().contains("head_dim is 0"), "{e}");
         let e = be

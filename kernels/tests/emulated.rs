@@ -35,7 +35,7 @@ use std::sync::OnceLock;
 
 use kvreplay_kernels::cpu::{self, AttentionStats, RopeParams, RopeStyle};
 use kvreplay_kernels::launch::{self, Launch as Cfg};
-use kvreplay_kernels::{BLOCK, KEY_SPLIT};
+use kvreplay_kernels::{ATTN_ROWS, BLOCK, KEY_SPLIT};
 
 const U: f64 = 1.0 / (1u64 << 24) as f64;
 const CUDA_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/cuda");
@@ -123,6 +123,7 @@ fn common_flags() -> Vec<String> {
         "-ffp-contract=off".into(),
         format!("-DBLOCK={BLOCK}"),
         format!("-DKEY_SPLIT={KEY_SPLIT}"),
+        format!("-DATTN_ROWS={ATTN_ROWS}"),
         format!("-I{EMU_DIR}"),
         format!("-I{CUDA_DIR}"),
     ]
@@ -1034,7 +1035,8 @@ fn emu_sum_splits() {
     }
 }
 
-/// Exact: given the twin's probabilities, rows are added in the same order.
+/// Exact: given the twin's probabilities, rows are added in the same order
+/// (ATTN_ROWS at a time into a part, parts in order).
 #[test]
 fn emu_column_sums() {
     let probs = causal_problems();

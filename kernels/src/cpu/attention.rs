@@ -1,6 +1,6 @@
 //! Causal softmax attention for one query head, with the statistics a trace records.
 
-use super::linear::matmul_strided;
+use super::simd::{exp, simd_fn, Simd};
 
 /// Optional by-products of [`causal_attention_head`].
 #[derive(Default)]
@@ -37,8 +37,18 @@ pub fn causal_attention_head(
 /// query at position t attends to keys `max(0, t - W + 1) ..= t` (W keys
 /// counting itself, W - 1 before it), as HF transformers' sliding-window mask
 /// (`kv_idx > q_idx - W`) and llama.cpp (`q - k >= W` masked) define it.
-/// Masked keys get probability exactly 0. With `None` (or W >= t + 1) the
-/// computation is the plain causal one, operation for operation.
+/// Masked keys get probability exactly 0.
+///
+/// How each value is computed (the same for any number of queries, so a
+/// query's results do not depend on the chunk it came in, on the thread
+/// count, or on whether [`attention_heads`] runs it with other heads):
+/// - score s_j = Σ_t q_t·k_jt, one fused multiply-add chain over t in order;
+/// - [`softmax_row`] over the query's keys (e^(s·scale − max) by
+///   [`super::simd::exp`], their f64 sum in eight lanes, 1/sum in f32);
+/// - o_t = Σ_j p_j·v_jt, one fused chain over the keys in order.
+///
+/// The column sums add the queries [`ROWS`] at a time: each block's rows in
+/// order from zero into a part, the parts into `colsum` in order.
 #[allow(clippy::too_many_arguments)]
 pub fn windowed_attention_head(
     q: &[f32],
@@ -60,37 +70,677 @@ pub fn windowed_attention_head(
         "attention: k/v shorter than pos0 + c"
     );
     assert_eq!(out.len(), c * d, "attention: out is not (c, d)");
-    let mut p = vec![0f32; c * n];
-    // S = q · k[0..n]ᵀ  (c, n)
-    matmul_strided(q, d, &k[..n * d], d, true, &mut p, n, c, d, n);
-    for (i, row) in p.chunks_exact_mut(n).enumerate() {
-        let valid = pos0 + i + 1;
-        let lo = window.map_or(0, |w| valid.saturating_sub(w));
-        let (row, masked) = row.split_at_mut(valid);
-        let (before, live) = row.split_at_mut(lo);
-        before.fill(0.0);
-        let mx = live.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x)) * scale;
-        let mut z = 0f64;
-        for x in live.iter_mut() {
-            *x = (*x * scale - mx).exp();
-            z += *x as f64;
-        }
-        let inv = (1.0 / z) as f32;
-        live.iter_mut().for_each(|x| *x *= inv);
-        masked.fill(0.0);
+    if let Some(p) = stats.probs.as_deref() {
+        assert_eq!(p.len(), c * n, "attention: probs is not (c, pos0 + c)");
     }
-    // out = P · v[0..n]  (c, d)
-    matmul_strided(&p, n, &v[..n * d], d, false, out, d, c, n, d);
-    if let Some(colsum) = stats.colsum.as_deref_mut() {
-        let m = colsum.len().min(n);
-        for row in p.chunks_exact(n) {
-            for (s, x) in colsum[..m].iter_mut().zip(row) {
-                *s += x;
+    if c == 0 {
+        return;
+    }
+    let tracked = stats.colsum.as_deref().map_or(0, |cs| cs.len().min(n));
+    let mut part = vec![0f32; tracked];
+    let keys = (c > 1).then(|| PackedKeys::new(&k[..n * d], d, key_start(pos0, window)));
+    for r0 in (0..c).step_by(ROWS) {
+        let rows = (c - r0).min(ROWS);
+        let probs = stats
+            .probs
+            .as_deref_mut()
+            .map(|p| &mut p[r0 * n..(r0 + rows) * n]);
+        let cs = stats.colsum.is_some().then_some(&mut part[..]);
+        let at = Position::Consecutive(pos0 + r0);
+        let q = &q[r0 * d..(r0 + rows) * d];
+        let out = &mut out[r0 * d..(r0 + rows) * d];
+        let kv = (&k[..n * d], &v[..n * d]);
+        attend(q, keys.as_ref(), kv, d, at, window, scale, out, probs, cs);
+        if let Some(colsum) = stats.colsum.as_deref_mut() {
+            add_and_clear(&mut colsum[..tracked], &mut part);
+        }
+    }
+}
+
+/// Queries per block: a fixed size, so results never depend on the thread
+/// count (and a block's score rows, 32 · n f32, stay in cache). The CUDA
+/// column sums add their rows in the same blocks.
+pub const ROWS: usize = crate::ATTN_ROWS as usize;
+
+/// The first key the query at position t sees.
+fn key_start(t: usize, window: Option<usize>) -> usize {
+    window.map_or(0, |w| (t + 1).saturating_sub(w))
+}
+
+/// `colsum += part`, then `part = 0`.
+fn add_and_clear(colsum: &mut [f32], part: &mut [f32]) {
+    for (c, p) in colsum.iter_mut().zip(part.iter_mut()) {
+        *c += *p;
+        *p = 0.0;
+    }
+}
+
+/// Causal attention of every head of a layer, in parallel: the same bits as
+/// [`windowed_attention_head`] per head, for any thread count. Tasks are
+/// (head, block of [`ROWS`] queries) with the keys packed once per KV head;
+/// a single query per head (decode) runs one task per KV head, its query
+/// heads together, so each key and value is read once.
+///
+/// - `q`: (n_heads, c, d) at positions pos0 .. pos0 + c
+/// - `k`, `v`: (n_kv_heads, cap, d); query head h reads KV head h / (n_heads / n_kv_heads)
+/// - `out`: (n_heads, c, d)
+/// - `colsum`: (n_heads, n_tracked), `+= Σ_i P[h, i, j]` for j < min(n_tracked, pos0 + c)
+/// - `probs`: (n_heads, c, pos0 + c)
+#[allow(clippy::too_many_arguments)]
+pub fn attention_heads(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (n_heads, n_kv_heads, cap, d): (usize, usize, usize, usize),
+    pos0: usize,
+    window: Option<usize>,
+    scale: f32,
+    out: &mut [f32],
+    colsum: Option<&mut [f32]>,
+    probs: Option<&mut [f32]>,
+) {
+    use rayon::prelude::*;
+    assert!(window != Some(0), "attention: a window of 0 keys");
+    assert!(d > 0 && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads));
+    let c = q.len() / (n_heads * d).max(1);
+    let n = pos0 + c;
+    assert!(q.len() == n_heads * c * d && out.len() == q.len() && n <= cap);
+    assert!(k.len() == n_kv_heads * cap * d && v.len() == k.len());
+    if n_heads == 0 || c == 0 {
+        return;
+    }
+    if let Some(p) = &probs {
+        assert_eq!(
+            p.len(),
+            n_heads * c * n,
+            "attention: probs is not (heads, c, n)"
+        );
+    }
+    let group = n_heads / n_kv_heads;
+    let kv_of = |g: usize| {
+        (
+            &k[g * cap * d..(g * cap + n) * d],
+            &v[g * cap * d..(g * cap + n) * d],
+        )
+    };
+    let n_tracked = colsum.as_ref().map_or(0, |cs| cs.len() / n_heads);
+    let tracked = n_tracked.min(n);
+    // One query per head: a task per KV head over its query heads' rows
+    // (contiguous when c = 1); each row's part is its own probabilities.
+    let (task_rows, tasks) = if c == 1 {
+        (group, n_kv_heads)
+    } else {
+        (ROWS, n_heads * c.div_ceil(ROWS))
+    };
+    let mut parts = vec![
+        0f32;
+        if colsum.is_some() {
+            n_heads * c.div_ceil(ROWS) * tracked
+        } else {
+            0
+        }
+    ];
+    let per_task_parts = if c == 1 { group } else { 1 };
+    let mut probs_rows: Vec<Option<&mut [f32]>> = match probs {
+        Some(p) if c == 1 => p.chunks_mut(group * n).map(Some).collect(),
+        Some(p) => p
+            .chunks_mut(c * n)
+            .flat_map(|head| head.chunks_mut(ROWS * n))
+            .map(Some)
+            .collect(),
+        None => (0..tasks).map(|_| None).collect(),
+    };
+    let mut part_rows: Vec<Option<&mut [f32]>> = if tracked > 0 {
+        parts
+            .chunks_mut(per_task_parts * tracked)
+            .map(Some)
+            .collect()
+    } else {
+        (0..tasks).map(|_| None).collect()
+    };
+    let mut outs: Vec<&mut [f32]> = Vec::with_capacity(tasks);
+    for head in out.chunks_mut(if c == 1 { group * d } else { c * d }) {
+        outs.extend(head.chunks_mut(task_rows * d));
+    }
+    debug_assert!(outs.len() == tasks && probs_rows.len() == tasks && part_rows.len() == tasks);
+    // Keys packed once per KV head, shared by its query heads and blocks.
+    let packed: Vec<PackedKeys> = if c > 1 {
+        let lo = key_start(pos0, window);
+        (0..n_kv_heads)
+            .into_par_iter()
+            .map(|g| PackedKeys::new(kv_of(g).0, d, lo))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let blocks = c.div_ceil(ROWS);
+    outs.par_iter_mut()
+        .zip(probs_rows.par_iter_mut())
+        .zip(part_rows.par_iter_mut())
+        .enumerate()
+        .for_each(|(t, ((o, pr), cs))| {
+            let rows = o.len() / d;
+            if c == 1 {
+                let qs = &q[t * group * d..(t + 1) * group * d];
+                let at = Position::Same(pos0);
+                attend(
+                    qs,
+                    None,
+                    kv_of(t),
+                    d,
+                    at,
+                    window,
+                    scale,
+                    o,
+                    pr.as_deref_mut(),
+                    cs.as_deref_mut(),
+                );
+            } else {
+                let (h, b) = (t / blocks, t % blocks);
+                let g = h / group;
+                let r0 = b * ROWS;
+                let qs = &q[(h * c + r0) * d..(h * c + r0 + rows) * d];
+                let at = Position::Consecutive(pos0 + r0);
+                let (pk, pr, cs) = (packed.get(g), pr.as_deref_mut(), cs.as_deref_mut());
+                attend(qs, pk, kv_of(g), d, at, window, scale, o, pr, cs);
+            }
+        });
+    if let Some(colsum) = colsum {
+        for h in 0..n_heads {
+            let cs = &mut colsum[h * n_tracked..h * n_tracked + tracked];
+            for b in 0..blocks {
+                let at = (h * blocks + b) * tracked;
+                add_and_clear(cs, &mut parts[at..at + tracked]);
             }
         }
     }
-    if let Some(probs) = stats.probs.as_deref_mut() {
-        probs.copy_from_slice(&p);
+}
+
+/// Keys `k0 ..` of a (n, d) key matrix in panels of eight keys, each panel
+/// (d, 8): `data[(p·d + t)·8 + l]` = key k0 + 8p + l, dimension t (zero past
+/// the last key). `k0` is a multiple of 8, so a block can start at any
+/// panel.
+struct PackedKeys {
+    k0: usize,
+    data: Vec<f32>,
+}
+
+impl PackedKeys {
+    /// Keys from the panel holding `lo` to the end of `k`.
+    fn new(k: &[f32], d: usize, lo: usize) -> PackedKeys {
+        let n = k.len() / d;
+        let k0 = lo & !7;
+        let mut data = vec![0f32; (n - k0).div_ceil(8) * 8 * d];
+        pack_keys(&k[k0 * d..], d, &mut data);
+        PackedKeys { k0, data }
+    }
+}
+
+simd_fn! {
+    /// `dst` (ceil(n / 8), d, 8) = the (n, d) rows of `k` as panels of
+    /// eight (`dst` holds whole panels; lanes past the last key are left as
+    /// they are). Data movement only.
+    fn pack_keys(k: &[f32], d: usize, dst: &mut [f32]) = pack_keys_impl;
+}
+
+#[inline(always)]
+fn pack_keys_impl<S: Simd>(k: &[f32], d: usize, dst: &mut [f32]) {
+    let n = k.len() / d;
+    assert!(dst.len() >= n.div_ceil(8) * 8 * d);
+    let body = d - d % 8;
+    for (p, keys) in k.chunks(8 * d).enumerate() {
+        let panel = &mut dst[p * 8 * d..(p + 1) * 8 * d];
+        if keys.len() == 8 * d {
+            for c in (0..body).step_by(8) {
+                // SAFETY: keys holds 8 rows of d >= c + 8; panel 8d elements.
+                unsafe {
+                    let r: [S::F; 8] = [
+                        S::load(keys.as_ptr().add(c)),
+                        S::load(keys.as_ptr().add(d + c)),
+                        S::load(keys.as_ptr().add(2 * d + c)),
+                        S::load(keys.as_ptr().add(3 * d + c)),
+                        S::load(keys.as_ptr().add(4 * d + c)),
+                        S::load(keys.as_ptr().add(5 * d + c)),
+                        S::load(keys.as_ptr().add(6 * d + c)),
+                        S::load(keys.as_ptr().add(7 * d + c)),
+                    ];
+                    let t = S::transpose8(r);
+                    for (i, v) in t.iter().enumerate() {
+                        S::store(panel.as_mut_ptr().add((c + i) * 8), *v);
+                    }
+                }
+            }
+            for t in body..d {
+                for l in 0..8 {
+                    panel[t * 8 + l] = keys[l * d + t];
+                }
+            }
+        } else {
+            for (l, key) in keys.chunks_exact(d).enumerate() {
+                for (t, x) in key.iter().enumerate() {
+                    panel[t * 8 + l] = *x;
+                }
+            }
+        }
+    }
+}
+
+/// Where a group of query rows sits.
+#[derive(Clone, Copy)]
+enum Position {
+    /// Row i at position p + i (a block of one head's queries).
+    Consecutive(usize),
+    /// Every row at position p (one query of each head of a KV group).
+    Same(usize),
+}
+
+/// Query rows (rows, d) over keys and values (n, d): out (rows, d);
+/// `probs` (rows, n), zero outside each query's keys; `part`: `+= P[i, j]`
+/// over the rows in order, (tracked,) for consecutive rows, (rows, tracked)
+/// (one part per row) for rows at the same position. `packed`: the keys as
+/// [`PackedKeys`]; None packs them as it goes (one position: few rows).
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    q: &[f32],
+    packed: Option<&PackedKeys>,
+    (k, v): (&[f32], &[f32]),
+    d: usize,
+    at: Position,
+    window: Option<usize>,
+    scale: f32,
+    out: &mut [f32],
+    probs: Option<&mut [f32]>,
+    part: Option<&mut [f32]>,
+) {
+    let rows = q.len() / d;
+    let pos = |i: usize| match at {
+        Position::Consecutive(p) => p + i,
+        Position::Same(p) => p,
+    };
+    let (klo, khi) = (key_start(pos(0), window), pos(rows - 1) + 1);
+    SCRATCH.with(|cell| {
+        let mut fresh = Vec::new();
+        let mut held = cell.try_borrow_mut();
+        let s: &mut Vec<f32> = match held.as_deref_mut() {
+            Ok(v) => v,
+            Err(_) => &mut fresh,
+        };
+        // Score columns cover keys ks .. ks + ws (whole panels): the keys
+        // before a query's window start and after its position get 0.
+        let ks = if packed.is_some() { klo & !7 } else { klo };
+        let ws = (khi - ks).div_ceil(8) * 8;
+        s.clear();
+        s.resize(rows * ws, 0.0);
+        match packed {
+            Some(pk) => {
+                assert!(ks >= pk.k0);
+                let at = (ks - pk.k0) * d;
+                scores(q, &pk.data[at..at + ws * d], d, s, ws);
+            }
+            None => {
+                // Pack 64 keys at a time into a small buffer.
+                let mut panel = [0f32; 8 * 64];
+                let mut big = Vec::new();
+                let buf: &mut [f32] = if 64 * d <= panel.len() {
+                    &mut panel[..64 * d]
+                } else {
+                    big.resize(64 * d, 0.0);
+                    &mut big
+                };
+                for j0 in (klo..khi).step_by(64) {
+                    let nk = (khi - j0).min(64);
+                    let np = nk.div_ceil(8);
+                    pack_keys(&k[j0 * d..(j0 + nk) * d], d, &mut buf[..np * 8 * d]);
+                    let cols = &mut s[j0 - klo..];
+                    scores(q, &buf[..np * 8 * d], d, cols, ws);
+                }
+            }
+        }
+        for (i, row) in s.chunks_exact_mut(ws).enumerate() {
+            let t = pos(i);
+            let (lo, valid) = (key_start(t, window) - ks, t + 1 - ks);
+            row[..lo].fill(0.0);
+            softmax_row(&mut row[lo..valid], scale);
+            row[valid..].fill(0.0);
+        }
+        weighted_values(s, ws, &v[ks * d..khi * d], d, out);
+        let cols = khi - ks;
+        if let Some(part) = part {
+            // One part per row (same position) or one for all (consecutive).
+            let per_row = matches!(at, Position::Same(_));
+            let tracked = if per_row {
+                part.len() / rows
+            } else {
+                part.len()
+            };
+            if tracked > ks {
+                let m = (tracked - ks).min(cols);
+                for (i, row) in s.chunks_exact(ws).enumerate() {
+                    let pr = if per_row {
+                        &mut part[i * tracked..(i + 1) * tracked]
+                    } else {
+                        &mut part[..]
+                    };
+                    for (c, p) in pr[ks..ks + m].iter_mut().zip(&row[..m]) {
+                        *c += *p;
+                    }
+                }
+            }
+        }
+        if let Some(probs) = probs {
+            let n = probs.len() / rows;
+            for (pr, row) in probs.chunks_exact_mut(n).zip(s.chunks_exact(ws)) {
+                pr[..ks].fill(0.0);
+                pr[ks..khi].copy_from_slice(&row[..cols]);
+                pr[khi..].fill(0.0);
+            }
+        }
+    });
+}
+
+thread_local! {
+    /// Score rows, kept between calls on a thread.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+simd_fn! {
+    /// Softmax of one row of scores in place: p_j = e^(x_j·scale − m) / z
+    /// with m = max_j x_j · scale, the exponentials by
+    /// [`super::simd::exp`] (within 1.011 ulp), z their f64 sum in eight
+    /// lanes (j mod 8, from the row's start) added by a fixed tree, and
+    /// 1/z rounded to f32 once.
+    pub fn softmax_row(row: &mut [f32], scale: f32) = softmax_row_impl;
+}
+
+#[inline(always)]
+fn softmax_row_impl<S: Simd>(row: &mut [f32], scale: f32) {
+    let n = row.len();
+    if n == 0 {
+        return;
+    }
+    let body = n - n % 8;
+    let ninf = f32::NEG_INFINITY;
+    // The tail, padded with -inf (exp gives 0, which adds nothing).
+    let mut tail = [ninf; 8];
+    tail[..n - body].copy_from_slice(&row[body..]);
+    let mut mv = S::splat(ninf);
+    for c in row[..body].chunks_exact(8) {
+        // SAFETY: c holds 8 elements.
+        mv = S::max(mv, unsafe { S::load(c.as_ptr()) });
+    }
+    mv = S::max(mv, unsafe { S::load(tail.as_ptr()) });
+    let mx = S::splat(S::hmax(mv) * scale);
+    let sc = S::splat(scale);
+    let mut z = (S::dzero(), S::dzero());
+    for c in row[..body].chunks_exact_mut(8) {
+        // SAFETY: c holds 8 elements.
+        z = unsafe { exp_step::<S>(c.as_mut_ptr(), sc, mx, z) };
+    }
+    // SAFETY: the tail buffer holds 8 elements.
+    z = unsafe { exp_step::<S>(tail.as_mut_ptr(), sc, mx, z) };
+    row[body..].copy_from_slice(&tail[..n - body]);
+    let inv = (1.0 / S::dsum(z)) as f32;
+    let iv = S::splat(inv);
+    for c in row[..body].chunks_exact_mut(8) {
+        // SAFETY: c holds 8 elements.
+        unsafe { S::store(c.as_mut_ptr(), S::mul(S::load(c.as_ptr()), iv)) };
+    }
+    row[body..].iter_mut().for_each(|x| *x *= inv);
+}
+
+/// p[0..8] = e^(p·scale − mx), returning z plus them (f64 lanes).
+#[inline(always)]
+unsafe fn exp_step<S: Simd>(p: *mut f32, sc: S::F, mx: S::F, z: (S::D, S::D)) -> (S::D, S::D) {
+    let e = exp::<S>(S::sub(S::mul(S::load(p), sc), mx));
+    S::store(p, e);
+    S::dacc(z, e)
+}
+
+// ---- micro-kernels: per output element one fused chain, whatever the tile.
+
+/// Rows of query micro-tiles.
+const MR: usize = 6;
+
+/// Keys per cache block of the many-row scores (a block of packed keys,
+/// 128 · d f32, is reused from L1/L2 by every row tile).
+const KC: usize = 128;
+
+/// Keys per cache block of the many-row weighted values (64 value rows).
+const KV: usize = 64;
+
+/// s (R, ·) at `s` (row stride ws), columns 0 .. 8P = q (R, d) · the P key
+/// panels at `kp` (each (d, 8)): one fused chain over t per element.
+#[inline(always)]
+unsafe fn qk_tile<S: Simd, const R: usize, const P: usize>(
+    q: *const f32,
+    d: usize,
+    kp: *const f32,
+    s: *mut f32,
+    ws: usize,
+) {
+    let mut acc = [[S::zero(); P]; R];
+    for t in 0..d {
+        let mut b = [S::zero(); P];
+        for (p, bp) in b.iter_mut().enumerate() {
+            *bp = S::load(kp.add((p * d + t) * 8));
+        }
+        for (r, ar) in acc.iter_mut().enumerate() {
+            let a = S::splat(*q.add(r * d + t));
+            for (x, bp) in ar.iter_mut().zip(&b) {
+                *x = S::fma(a, *bp, *x);
+            }
+        }
+    }
+    for (r, ar) in acc.iter().enumerate() {
+        for (p, x) in ar.iter().enumerate() {
+            S::store(s.add(r * ws + 8 * p), *x);
+        }
+    }
+}
+
+simd_fn! {
+    /// s (rows, ·) with row stride `ws`, its first kp.len() / d columns =
+    /// q (rows, d) · the keys in `kp` (whole panels).
+    fn scores(q: &[f32], kp: &[f32], d: usize, s: &mut [f32], ws: usize) = scores_impl;
+}
+
+#[inline(always)]
+fn scores_impl<S: Simd>(q: &[f32], kp: &[f32], d: usize, s: &mut [f32], ws: usize) {
+    let rows = q.len() / d;
+    let cols = kp.len() / d;
+    assert!(cols.is_multiple_of(8) && cols <= ws && q.len() == rows * d);
+    assert!(rows == 0 || s.len() >= (rows - 1) * ws + cols);
+    let np = cols / 8;
+    macro_rules! tile {
+        ($r:literal, $p:literal, $r0:expr, $p0:expr) => {
+            // SAFETY: rows r0 .. r0 + R of q and s, panels p0 .. p0 + P,
+            // checked above.
+            unsafe {
+                qk_tile::<S, $r, $p>(
+                    q.as_ptr().add($r0 * d),
+                    d,
+                    kp.as_ptr().add($p0 * 8 * d),
+                    s.as_mut_ptr().add($r0 * ws + 8 * $p0),
+                    ws,
+                )
+            }
+        };
+    }
+    if rows == 1 {
+        // One query: eight panels at a time (eight independent chains).
+        let mut p0 = 0;
+        while p0 + 8 <= np {
+            tile!(1, 8, 0, p0);
+            p0 += 8;
+        }
+        while p0 < np {
+            tile!(1, 1, 0, p0);
+            p0 += 1;
+        }
+        return;
+    }
+    // Blocks of KC keys, each reused by every row tile.
+    for c0 in (0..np).step_by(KC / 8) {
+        let c1 = (c0 + KC / 8).min(np);
+        for r0 in (0..rows).step_by(MR) {
+            let mut p0 = c0;
+            while p0 < c1 {
+                let two = p0 + 2 <= c1;
+                match ((rows - r0).min(MR), two) {
+                    (6, true) => tile!(6, 2, r0, p0),
+                    (5, true) => tile!(5, 2, r0, p0),
+                    (4, true) => tile!(4, 2, r0, p0),
+                    (3, true) => tile!(3, 2, r0, p0),
+                    (2, true) => tile!(2, 2, r0, p0),
+                    (1, true) => tile!(1, 2, r0, p0),
+                    (6, false) => tile!(6, 1, r0, p0),
+                    (5, false) => tile!(5, 1, r0, p0),
+                    (4, false) => tile!(4, 1, r0, p0),
+                    (3, false) => tile!(3, 1, r0, p0),
+                    (2, false) => tile!(2, 1, r0, p0),
+                    _ => tile!(1, 1, r0, p0),
+                }
+                p0 += if two { 2 } else { 1 };
+            }
+        }
+    }
+}
+
+/// out (R, 8V) at `o` (row stride d) = p (nk, R) at `p` (the R rows'
+/// weights interleaved per key) · v (nk, ·) at `v` (row stride d), added to
+/// what `o` holds unless `first`: one fused chain over the keys per element.
+#[inline(always)]
+unsafe fn pv_tile<S: Simd, const R: usize, const V: usize>(
+    p: *const f32,
+    nk: usize,
+    v: *const f32,
+    d: usize,
+    o: *mut f32,
+    first: bool,
+) {
+    let mut acc = [[S::zero(); V]; R];
+    if !first {
+        for (r, ar) in acc.iter_mut().enumerate() {
+            for (u, x) in ar.iter_mut().enumerate() {
+                *x = S::load(o.add(r * d + 8 * u));
+            }
+        }
+    }
+    for j in 0..nk {
+        let mut b = [S::zero(); V];
+        for (u, bu) in b.iter_mut().enumerate() {
+            *bu = S::load(v.add(j * d + 8 * u));
+        }
+        for (r, ar) in acc.iter_mut().enumerate() {
+            let a = S::splat(*p.add(j * R + r));
+            for (x, bu) in ar.iter_mut().zip(&b) {
+                *x = S::fma(a, *bu, *x);
+            }
+        }
+    }
+    for (r, ar) in acc.iter().enumerate() {
+        for (u, x) in ar.iter().enumerate() {
+            S::store(o.add(r * d + 8 * u), *x);
+        }
+    }
+}
+
+/// pi[j·R + r] = src[r·ws + j] for j < jn.
+#[inline(always)]
+fn interleave<const R: usize>(src: &[f32], ws: usize, jn: usize, pi: &mut [f32]) {
+    let rows: [&[f32]; R] = core::array::from_fn(|r| &src[r * ws..r * ws + jn]);
+    for (j, dst) in pi[..jn * R].chunks_exact_mut(R).enumerate() {
+        for (x, row) in dst.iter_mut().zip(&rows) {
+            *x = row[j];
+        }
+    }
+}
+
+simd_fn! {
+    /// out (rows, d) = p (rows, ws; its first nk = v.len() / d columns) ·
+    /// v (nk, d): per element one fused chain over the keys in order.
+    fn weighted_values(p: &[f32], ws: usize, v: &[f32], d: usize, out: &mut [f32]) = weighted_values_impl;
+}
+
+#[inline(always)]
+fn weighted_values_impl<S: Simd>(p: &[f32], ws: usize, v: &[f32], d: usize, out: &mut [f32]) {
+    let rows = out.len() / d;
+    let nk = v.len() / d;
+    assert!(nk <= ws && p.len() >= rows * ws && out.len() == rows * d && v.len() == nk * d);
+    let nv = d / 8;
+    // The rows of a tile, interleaved per key: pi[j·R + r] = p[r, j].
+    let mut pi = [0f32; MR * KV];
+    macro_rules! tile {
+        ($r:literal, $v:literal, $r0:expr, $u0:expr, $j0:expr, $jn:expr) => {
+            // SAFETY: pi holds jn·R weights; dimensions 8u0 .. 8(u0 + V) <= d
+            // of rows r0 .. r0 + R of out; keys j0 .. j0 + jn of v.
+            unsafe {
+                pv_tile::<S, $r, $v>(
+                    pi.as_ptr(),
+                    $jn,
+                    v.as_ptr().add($j0 * d + 8 * $u0),
+                    d,
+                    out.as_mut_ptr().add($r0 * d + 8 * $u0),
+                    $j0 == 0,
+                )
+            }
+        };
+    }
+    if nv > 0 {
+        for j0 in (0..nk).step_by(KV) {
+            let jn = (nk - j0).min(KV);
+            for r0 in (0..rows).step_by(MR) {
+                let r = (rows - r0).min(MR);
+                let src = &p[r0 * ws + j0..];
+                match r {
+                    1 => pi[..jn].copy_from_slice(&src[..jn]),
+                    2 => interleave::<2>(src, ws, jn, &mut pi),
+                    3 => interleave::<3>(src, ws, jn, &mut pi),
+                    4 => interleave::<4>(src, ws, jn, &mut pi),
+                    5 => interleave::<5>(src, ws, jn, &mut pi),
+                    _ => interleave::<6>(src, ws, jn, &mut pi),
+                }
+                let mut u0 = 0;
+                while u0 < nv {
+                    // One row: up to 64 dimensions per pass; more rows: 16.
+                    let step = if r == 1 { 8 } else { 2 }.min(nv - u0);
+                    match (r, step) {
+                        (1, 8) => tile!(1, 8, r0, u0, j0, jn),
+                        (1, 7) => tile!(1, 7, r0, u0, j0, jn),
+                        (1, 6) => tile!(1, 6, r0, u0, j0, jn),
+                        (1, 5) => tile!(1, 5, r0, u0, j0, jn),
+                        (1, 4) => tile!(1, 4, r0, u0, j0, jn),
+                        (1, 3) => tile!(1, 3, r0, u0, j0, jn),
+                        (1, 2) => tile!(1, 2, r0, u0, j0, jn),
+                        (1, _) => tile!(1, 1, r0, u0, j0, jn),
+                        (6, 2) => tile!(6, 2, r0, u0, j0, jn),
+                        (5, 2) => tile!(5, 2, r0, u0, j0, jn),
+                        (4, 2) => tile!(4, 2, r0, u0, j0, jn),
+                        (3, 2) => tile!(3, 2, r0, u0, j0, jn),
+                        (2, 2) => tile!(2, 2, r0, u0, j0, jn),
+                        (6, _) => tile!(6, 1, r0, u0, j0, jn),
+                        (5, _) => tile!(5, 1, r0, u0, j0, jn),
+                        (4, _) => tile!(4, 1, r0, u0, j0, jn),
+                        (3, _) => tile!(3, 1, r0, u0, j0, jn),
+                        _ => tile!(2, 1, r0, u0, j0, jn),
+                    }
+                    u0 += step;
+                }
+            }
+        }
+        if nk == 0 {
+            out.iter_mut().for_each(|x| *x = 0.0);
+        }
+    }
+    // Dimensions past the last multiple of 8: the same chain, in scalars.
+    for t in 8 * nv..d {
+        for r in 0..rows {
+            let mut acc = 0f32;
+            for j in 0..nk {
+                acc = p[r * ws + j].mul_add(v[j * d + t], acc);
+            }
+            out[r * d + t] = acc;
+        }
     }
 }
 
@@ -232,6 +882,167 @@ mod tests {
             AttentionStats::default(),
         );
         assert_eq!(a, b);
+    }
+
+    /// Every head of a layer in one parallel call equals the single-head
+    /// kernel per head, bit for bit, for any thread count: chunks that are
+    /// and are not multiples of ROWS, one query (decode), GQA, windows,
+    /// column sums and probabilities.
+    #[test]
+    fn all_heads_in_parallel_equal_one_head_at_a_time() {
+        let (nh, nkv, d, cap) = (6, 2, 12, 300);
+        for &(c, pos0, window) in &[
+            (70usize, 5usize, None),
+            (1, 200, None),
+            (1, 200, Some(17usize)),
+            (33, 100, Some(40)),
+            (64, 0, None),
+        ] {
+            let n = pos0 + c;
+            let q = data(nh * c * d, 0.11);
+            let (k, v) = (data(nkv * cap * d, 0.21), data(nkv * cap * d, 0.31));
+            let tracked = 150;
+            let cs0: Vec<f32> = data(nh * tracked, 0.41).iter().map(|x| x.abs()).collect();
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let (mut o, mut cs, mut pr) =
+                    (vec![0f32; q.len()], cs0.clone(), vec![0f32; nh * c * n]);
+                pool.install(|| {
+                    attention_heads(
+                        &q,
+                        &k,
+                        &v,
+                        (nh, nkv, cap, d),
+                        pos0,
+                        window,
+                        0.3,
+                        &mut o,
+                        Some(&mut cs),
+                        Some(&mut pr),
+                    )
+                });
+                (o, cs, pr)
+            };
+            let (o, cs, pr) = run(2);
+            assert!(
+                run(1) == (o.clone(), cs.clone(), pr.clone()),
+                "c={c}: threads"
+            );
+            assert!(
+                run(3) == (o.clone(), cs.clone(), pr.clone()),
+                "c={c}: threads"
+            );
+            let group = nh / nkv;
+            for h in 0..nh {
+                let g = h / group;
+                let (mut oh, mut csh, mut prh) = (
+                    vec![0f32; c * d],
+                    cs0[h * tracked..(h + 1) * tracked].to_vec(),
+                    vec![0f32; c * n],
+                );
+                windowed_attention_head(
+                    &q[h * c * d..(h + 1) * c * d],
+                    &k[g * cap * d..(g * cap + n) * d],
+                    &v[g * cap * d..(g * cap + n) * d],
+                    d,
+                    pos0,
+                    window,
+                    0.3,
+                    &mut oh,
+                    AttentionStats {
+                        colsum: Some(&mut csh),
+                        probs: Some(&mut prh),
+                    },
+                );
+                assert_eq!(oh, o[h * c * d..(h + 1) * c * d], "c={c} head {h}: o");
+                assert_eq!(
+                    csh,
+                    cs[h * tracked..(h + 1) * tracked],
+                    "c={c} head {h}: colsum"
+                );
+                assert_eq!(prh, pr[h * c * n..(h + 1) * c * n], "c={c} head {h}: probs");
+            }
+        }
+    }
+
+    /// A query's output and probabilities are the same bits whether it comes
+    /// alone (decode) or in a chunk of any size, with and without a window.
+    #[test]
+    fn a_query_does_not_depend_on_its_chunk() {
+        for (d, window) in [
+            (64usize, None),
+            (12, Some(9usize)),
+            (5, None),
+            (72, Some(30)),
+        ] {
+            let (pos0, c) = (40, 45);
+            let n = pos0 + c;
+            let (q, k, v) = (data(c * d, 0.5), data(n * d, 0.6), data(n * d, 0.7));
+            let mut all = vec![0f32; c * d];
+            let mut pall = vec![0f32; c * n];
+            let stats = AttentionStats {
+                colsum: None,
+                probs: Some(&mut pall),
+            };
+            windowed_attention_head(&q, &k, &v, d, pos0, window, 0.4, &mut all, stats);
+            for i in 0..c {
+                let t = pos0 + i;
+                let mut one = vec![0f32; d];
+                let mut p = vec![0f32; t + 1];
+                let stats = AttentionStats {
+                    colsum: None,
+                    probs: Some(&mut p),
+                };
+                let (kk, vv) = (&k[..(t + 1) * d], &v[..(t + 1) * d]);
+                windowed_attention_head(
+                    &q[i * d..(i + 1) * d],
+                    kk,
+                    vv,
+                    d,
+                    t,
+                    window,
+                    0.4,
+                    &mut one,
+                    stats,
+                );
+                assert_eq!(one, all[i * d..(i + 1) * d], "d={d} query {i}: output");
+                assert_eq!(
+                    p,
+                    pall[i * n..i * n + t + 1],
+                    "d={d} query {i}: probabilities"
+                );
+            }
+        }
+    }
+
+    /// The AVX2 lanes give the portable lanes' bits (scores, weighted
+    /// values, softmax), on head sizes with and without a tail of d % 8.
+    #[test]
+    fn lanes_are_bit_identical() {
+        use crate::cpu::simd::Portable;
+        for (d, w) in [(64usize, 301usize), (12, 9), (5, 3), (256, 40)] {
+            let rows = 7;
+            let (q, k, v) = (data(rows * d, 1.5), data(w * d, 2.5), data(w * d, 3.5));
+            let np = w.div_ceil(8);
+            let mut kp = vec![0f32; np * 8 * d];
+            pack_keys(&k, d, &mut kp);
+            let (mut s1, mut s2) = (vec![0f32; rows * np * 8], vec![0f32; rows * np * 8]);
+            scores(&q, &kp, d, &mut s1, np * 8);
+            scores_impl::<Portable>(&q, &kp, d, &mut s2, np * 8);
+            assert_eq!(s1, s2, "d={d} scores");
+            let (mut o1, mut o2) = (vec![0f32; rows * d], vec![0f32; rows * d]);
+            weighted_values(&s1, np * 8, &v, d, &mut o1);
+            weighted_values_impl::<Portable>(&s1, np * 8, &v, d, &mut o2);
+            assert_eq!(o1, o2, "d={d} outputs");
+            let mut r1 = data(w, 4.5);
+            let mut r2 = r1.clone();
+            softmax_row(&mut r1, 1.7);
+            softmax_row_impl::<Portable>(&mut r2, 1.7);
+            assert_eq!(r1, r2, "softmax w={w}");
+        }
     }
 
     #[test]

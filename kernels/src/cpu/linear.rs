@@ -1,55 +1,14 @@
-//! Dense products on the `gemm` crate (AVX-512 kernels, runtime-detected).
-
-use rayon::prelude::*;
-
-/// Output rows and columns per task. Fixed sizes (not thread counts) decide
-/// how work is split, so results are bit-identical for any thread count.
-const ROW_BLOCK: usize = 64;
-const COL_BLOCK: usize = 256;
+//! Dense products on the `gemm` crate (AVX2/AVX-512 kernels, runtime-detected).
 
 /// `out[m, n] = x[m, k] · w[n, k]ᵀ` (a linear layer with weight `w` stored
-/// (out_features, in_features), as torch and GGUF store it).
+/// (out_features, in_features), as torch and GGUF store it). Tiles of fixed
+/// size (see [`super::qlinear::linear_many`]) decide how work is split, so
+/// results are bit-identical for any thread count.
 pub fn linear(x: &[f32], w: &[f32], out: &mut [f32], m: usize, k: usize, n: usize) {
     assert_eq!(x.len(), m * k, "linear: x is not (m, k)");
     assert_eq!(w.len(), n * k, "linear: w is not (n, k)");
     assert_eq!(out.len(), m * n, "linear: out is not (m, n)");
-    let n_col_blocks = n.div_ceil(COL_BLOCK);
-    // Each task owns one (row block, column block) tile of `out`.
-    let tiles: Vec<(usize, usize)> = (0..m.div_ceil(ROW_BLOCK))
-        .flat_map(|rb| (0..n_col_blocks).map(move |cb| (rb, cb)))
-        .collect();
-    let out_ptr = SendPtr(out.as_mut_ptr());
-    tiles.par_iter().for_each(|&(rb, cb)| {
-        let (r0, c0) = (rb * ROW_BLOCK, cb * COL_BLOCK);
-        let (mr, nc) = ((m - r0).min(ROW_BLOCK), (n - c0).min(COL_BLOCK));
-        let op = &out_ptr;
-        // SAFETY: tiles are disjoint; each writes rows r0..r0+mr, columns
-        // c0..c0+nc of `out` (row stride n), which lie inside `out`. The
-        // inputs are read-only slices whose extents the asserts above checked.
-        unsafe {
-            gemm::gemm(
-                mr,
-                nc,
-                k,
-                op.0.add(r0 * n + c0),
-                1,
-                n as isize,
-                false,
-                x.as_ptr().add(r0 * k),
-                1,
-                k as isize,
-                w.as_ptr().add(c0 * k),
-                k as isize,
-                1,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
-    });
+    super::qlinear::linear_many(x, m, k, &[super::qlinear::WeightRef::F32(w)], &mut [out]);
 }
 
 /// `out[m, n] = a[m, k] · b[k, n]` with explicit row strides (elements), for
@@ -110,10 +69,6 @@ pub fn matmul_strided(
         );
     }
 }
-
-struct SendPtr(*mut f32);
-// SAFETY: used only to hand disjoint tiles of one output buffer to rayon tasks.
-unsafe impl Sync for SendPtr {}
 
 #[cfg(test)]
 mod tests {

@@ -7,10 +7,14 @@ pub mod dots64;
 pub mod exp;
 pub mod linear;
 pub mod norm;
+pub mod qlinear;
 pub mod rope;
+pub(crate) mod simd;
 pub mod vector;
 
-pub use attention::{causal_attention_head, windowed_attention_head, AttentionStats};
+pub use attention::{
+    attention_heads, causal_attention_head, softmax_row, windowed_attention_head, AttentionStats,
+};
 pub use decode::{
     attend_biased, attend_biased_multi, attend_biased_probs, attention_rows, dot, dot_rows,
     softmax_in_place,
@@ -20,6 +24,7 @@ pub use dots64::{dots_at, dots_norms_at, ColumnBlocks};
 pub use exp::{exp_shifted, fast_exp_active};
 pub use linear::linear;
 pub use norm::{argmax, embedding, gelu_tanh_mul, rms_norm, scale, silu_mul};
+pub use qlinear::{embedding_quant, linear_many, linear_quant, QuantMatrix, WeightRef};
 pub use rope::{
     apply_rope, rope_table, rotate_with_table, unapply_rope, Llama3Rope, RopeCache, RopeParams,
     RopeStyle,

@@ -74,8 +74,10 @@ extern "C" __global__ void sum_splits(const float* part, float* out, int rows, i
     out[e] = acc;
 }
 
-// colsum (heads, tracked): colsum[h, j] += sum_i p[h, i, j] for j < m, rows
-// added in order (as the CPU does); blockIdx.y is the head.
+// colsum (heads, tracked): colsum[h, j] += sum_i p[h, i, j] for j < m; as
+// the CPU does, each block of ATTN_ROWS rows is added in order from zero into
+// a part, and the parts are added to the column sum in order; blockIdx.y is
+// the head.
 extern "C" __global__ void column_sums(const float* p, float* colsum, int c, int n, int m,
                                        int tracked) {
     i64 j = global_id();
@@ -83,7 +85,12 @@ extern "C" __global__ void column_sums(const float* p, float* colsum, int c, int
     int h = blockIdx.y;
     const float* ph = p + (i64)h * c * n;
     float acc = colsum[(i64)h * tracked + j];
-    for (int i = 0; i < c; ++i) acc += ph[(i64)i * n + j];
+    for (int i0 = 0; i0 < c; i0 += ATTN_ROWS) {
+        int i1 = min(c, i0 + ATTN_ROWS);
+        float part = 0.0f;
+        for (int i = i0; i < i1; ++i) part += ph[(i64)i * n + j];
+        acc += part;
+    }
     colsum[(i64)h * tracked + j] = acc;
 }
 

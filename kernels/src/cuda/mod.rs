@@ -218,7 +218,9 @@ impl Cuda {
 
     fn resident<'w>(&self, w: &'w Weight) -> Result<&'w CudaSlice<f32>, KernelError> {
         if w.dev.get().is_none() {
-            let d = self.up(w)?;
+            // A quantised weight is dequantised for the upload only (no host
+            // f32 copy is kept).
+            let d = self.up(&w.to_f32())?;
             let _ = w.dev.set(d);
         }
         Ok(w.dev.get().expect("set above"))

@@ -98,6 +98,7 @@ pub fn compile(name: &str, src: &str, target: Target) -> Result<Vec<u8>, KernelE
         "--std=c++14".to_string(),
         format!("-DBLOCK={}", crate::BLOCK),
         format!("-DKEY_SPLIT={}", crate::KEY_SPLIT),
+        format!("-DATTN_ROWS={}", crate::ATTN_ROWS),
     ];
     // SAFETY: `prog` was created above and is destroyed exactly once below.
     let out = unsafe {

@@ -11,6 +11,9 @@ typedef long long i64;
 #ifndef KEY_SPLIT
 #error "KEY_SPLIT is not defined: compile through kvreplay_kernels::cuda::nvrtc::compile"
 #endif
+#ifndef ATTN_ROWS
+#error "ATTN_ROWS is not defined: compile through kvreplay_kernels::cuda::nvrtc::compile"
+#endif
 #define INFINITY __int_as_float(0x7f800000)
 
 __device__ __forceinline__ i64 global_id() { return (i64)blockIdx.x * blockDim.x + threadIdx.x; }
