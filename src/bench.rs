@@ -44,6 +44,7 @@ pub struct CaptureBench {
     pub reps: usize,
     pub dtype: Dtype,
     pub device: kvreplay_kernels::DeviceRequest,
+    pub prefill_chunk: usize,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -67,8 +68,9 @@ pub fn bench_capture(b: &CaptureBench) -> Result<()> {
     let dir = std::env::temp_dir().join(format!("kvreplay-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     println!(
-        "capture benchmark: {} prompt tokens + {} decode tokens, dtype {}, {} threads, {} reps, device {}",
+        "capture benchmark: {} prompt tokens (chunks of {}) + {} decode tokens, dtype {}, {} threads, {} reps, device {}",
         b.prompt_tokens,
+        b.prefill_chunk,
         b.decode,
         b.dtype.name(),
         rayon::current_num_threads(),
@@ -81,6 +83,7 @@ pub fn bench_capture(b: &CaptureBench) -> Result<()> {
         o.prompt_ids = Some(ids.clone());
         o.n_decode = b.decode;
         o.dtype = b.dtype;
+        o.prefill_chunk = b.prefill_chunk;
         let s = capture(&model, &o, &mut |_| {})?;
         let (p, d) = (
             b.prompt_tokens as f64 / s.prefill_secs,

@@ -10,6 +10,9 @@ use kvreplay_traces::{
 use crate::llama::{ForwardOptions, KvCache, LayerTaps, Llama};
 use crate::{CaptureError, Model};
 
+/// Prompt positions per prefill step unless asked otherwise.
+pub const DEFAULT_PREFILL_CHUNK: usize = 256;
+
 /// Longest trace (T) for which `--attn-probs` is allowed: the tensor is
 /// (n_heads, T, T) f32 per layer (SmolLM2 at T = 1024: 37.7 MB per layer).
 pub const MAX_ATTN_PROBS_LEN: usize = 1024;
@@ -52,7 +55,7 @@ impl CaptureOptions {
             chat: false,
             n_decode: 16,
             dtype: Dtype::F16,
-            prefill_chunk: 256,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
             attn_probs: false,
             out: out.into(),
             force: false,

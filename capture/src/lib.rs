@@ -18,7 +18,10 @@ pub mod tasks;
 pub mod testing;
 pub mod tokenizer;
 
-pub use capture::{capture, CaptureOptions, CaptureSummary, Phase, Progress, MAX_ATTN_PROBS_LEN};
+pub use capture::{
+    capture, CaptureOptions, CaptureSummary, Phase, Progress, DEFAULT_PREFILL_CHUNK,
+    MAX_ATTN_PROBS_LEN,
+};
 pub use error::CaptureError;
 pub use files::read_text_file;
 

@@ -606,154 +606,67 @@ impl Llama {
             (None, true) => 1,
             (Some(_), _) => 0,
         };
-        let mut tap_buf = be.zeros(layers_held * tap_len)?;
-        // One layer's taps from its packed q, k, v, o on the host.
-        let emit = |taps: &mut dyn FnMut(LayerTaps<'_>),
-                    layer: usize,
-                    t: &[f32],
-                    probs: Option<&[f32]>| {
-            let (q, rest) = t.split_at(q_len);
-            let (k, rest) = rest.split_at(kv_len);
-            let (v, o) = rest.split_at(kv_len);
-            taps(LayerTaps {
-                layer,
-                pos0,
-                q,
-                k,
-                v,
-                o,
-                probs,
-            });
-        };
-        // A bias (n,) added to every row of x (c, n).
-        let add_bias = |x: &mut Buf, b: &Option<Weight>| -> Result<(), KernelError> {
-            if let Some(b) = b {
-                be.add_assign(x, &be.upload(&b.repeat(c))?)?;
-            }
-            Ok(())
-        };
+        let tap_buf = be.zeros(layers_held * tap_len)?;
         // x: (c, d_model) residual stream
         let mut x = be.embed(&self.embed, dm, tokens)?;
         if let Some(s) = cfg.embed_scale {
             be.scale(&mut x, s)?;
         }
-        for (l, w) in self.layers.iter().enumerate() {
-            let la = &cfg.layer_attention[l];
-            let rope = &ropes
-                .iter()
-                .find(|(p, _)| *p == la.rope)
-                .expect("a table per layer RoPE")
-                .1;
-            let h = be.norm(&x, &w.attn_norm, cfg.norm_eps)?;
-            // q (c, n_heads * head_dim), k and v (c, n_kv_heads * head_dim)
-            let qkv = [(&w.wq, nh * hd), (&w.wk, nkv * hd), (&w.wv, nkv * hd)];
-            let [mut q, mut k, mut v]: [Buf; 3] = be
-                .matmul_many(&h, &qkv, c, dm)?
-                .try_into()
-                .expect("three products");
-            add_bias(&mut q, &w.bq)?;
-            add_bias(&mut k, &w.bk)?;
-            add_bias(&mut v, &w.bv)?;
-            // Per-head RMSNorm: rows of head_dim.
-            if let Some(qn) = &w.q_norm {
-                q = be.norm(&q, qn, cfg.norm_eps)?;
-            }
-            if let Some(kn) = &w.k_norm {
-                k = be.norm(&k, kn, cfg.norm_eps)?;
-            }
-            be.rotate(&mut q, nh, hd, &la.rope, rope)?;
-            be.rotate(&mut k, nkv, hd, &la.rope, rope)?;
-            // head-major: q (n_heads, c, d), k and v (n_kv_heads, c, d)
-            let q = be.transpose_heads(&q, c, nh, hd, true)?;
-            let k = be.transpose_heads(&k, c, nkv, hd, true)?;
-            let v = be.transpose_heads(&v, c, nkv, hd, true)?;
-            let cap = cache.capacity;
-            for g in 0..nkv {
-                let (src, dst) = (g * c * hd, (g * cap + pos0) * hd);
-                be.copy_within(&k, src, &mut cache.k[l], dst, c * hd)?;
-                be.copy_within(&v, src, &mut cache.v[l], dst, c * hd)?;
-            }
-            let mut probs = if opts.probs && opts.attention.is_none() {
-                Some(be.zeros(nh * c * n)?)
-            } else {
-                None
-            };
-            // o: (n_heads, c, head_dim)
-            let o = if let Some(f) = opts.attention.as_deref_mut() {
-                // Closed-loop validation attends on the host, layer by layer.
-                let (qh, kh, vh) = (be.download(&q)?, be.download(&k)?, be.download(&v)?);
-                let mut o = vec![0f32; nh * c * hd];
-                f(l, &qh, &kh, &vh, &mut o)?;
-                taps(LayerTaps {
-                    layer: l,
-                    pos0,
-                    q: &qh,
-                    k: &kh,
-                    v: &vh,
-                    o: &o,
-                    probs: None,
-                });
-                be.upload(&o)?
-            } else {
-                let colsum = opts.colsum.as_deref_mut().map(|cs| &mut cs[l]);
-                let o = be.attention_windowed(
-                    &q,
-                    &cache.k[l],
-                    &cache.v[l],
-                    shape,
-                    la.window,
-                    colsum,
-                    probs.as_mut(),
-                )?;
-                // Gather this layer's taps on the device; without
-                // probabilities they come down together after the last
-                // layer, so the host never waits on the device in the loop.
-                let at = if opts.probs { 0 } else { l * tap_len };
-                for (buf, off, len) in [
-                    (&q, 0, q_len),
-                    (&k, q_len, kv_len),
-                    (&v, q_len + kv_len, kv_len),
-                    (&o, q_len + 2 * kv_len, q_len),
-                ] {
-                    be.copy_within(buf, 0, &mut tap_buf, at + off, len)?;
+        // Biases (n,) repeated over the c rows, uploaded before the layers
+        // (so every transfer of a call is made, and counted, on this thread).
+        let rows = |b: &Option<Weight>| b.as_ref().map(|b| be.upload(&b.repeat(c))).transpose();
+        let biases = self
+            .layers
+            .iter()
+            .map(|w| Ok([rows(&w.bq)?, rows(&w.bk)?, rows(&w.bv)?, rows(&w.bo)?]))
+            .collect::<Result<Vec<_>, KernelError>>()?;
+        let mut pass = Pass {
+            m: self,
+            c,
+            pos0,
+            n,
+            shape,
+            ropes,
+            biases,
+            q_len,
+            kv_len,
+            probs: opts.probs,
+            tap_buf,
+            x,
+        };
+        if opts.attention.is_none() && !opts.probs {
+            // Every layer's taps come after the last layer, so the layers
+            // run on a rayon worker: each parallel product then starts from
+            // a worker instead of handing off from this thread and waiting
+            // (decode runs ~150 of them per token). Same results.
+            let colsum = opts.colsum.take();
+            let pass = &mut pass;
+            let c: &mut KvCache = cache;
+            rayon::scope(move |_| -> Result<(), KernelError> {
+                let mut colsum = colsum;
+                // Not called: taps are emitted after the layers.
+                let mut none = |_: LayerTaps<'_>| {};
+                for l in 0..pass.m.cfg.n_layers {
+                    let cs = colsum.as_deref_mut().map(|cs| &mut cs[l]);
+                    pass.layer(l, c, cs, None, &mut none)?;
                 }
-                if let Some(p) = &probs {
-                    emit(taps, l, &be.download(&tap_buf)?, Some(&be.download(p)?));
-                }
-                o
-            };
-            let o_rows = be.transpose_heads(&o, c, nh, hd, false)?;
-            let mut attn = be.matmul(&o_rows, &w.wo, c, nh * hd, dm)?;
-            add_bias(&mut attn, &w.bo)?;
-            if let Some(pn) = &w.post_attn_norm {
-                attn = be.norm(&attn, pn, cfg.norm_eps)?;
+                Ok(())
+            })?;
+        } else {
+            for l in 0..cfg.n_layers {
+                let cs = opts.colsum.as_deref_mut().map(|cs| &mut cs[l]);
+                pass.layer(l, cache, cs, opts.attention.as_deref_mut(), taps)?;
             }
-            be.add_assign(&mut x, &attn)?;
-            // Gated MLP (SwiGLU or GeGLU)
-            let h = be.norm(&x, &w.ffn_norm, cfg.norm_eps)?;
-            let gate_up = [(&w.w_gate, cfg.ffn_dim), (&w.w_up, cfg.ffn_dim)];
-            let [mut gate, up]: [Buf; 2] = be
-                .matmul_many(&h, &gate_up, c, dm)?
-                .try_into()
-                .expect("two products");
-            match cfg.activation {
-                Activation::Silu => be.swiglu(&mut gate, &up)?,
-                Activation::GeluTanh => be.gelu_tanh_mul(&mut gate, &up)?,
-            }
-            let mut down = be.matmul(&gate, &w.w_down, c, cfg.ffn_dim, dm)?;
-            if let Some(pn) = &w.post_ffn_norm {
-                down = be.norm(&down, pn, cfg.norm_eps)?;
-            }
-            be.add_assign(&mut x, &down)?;
         }
         if layers_held == cfg.n_layers {
-            let host = be.download(&tap_buf)?;
+            let host = be.download(&pass.tap_buf)?;
             for (l, t) in host.chunks_exact(tap_len).enumerate() {
-                emit(taps, l, t, None);
+                pass.emit(taps, l, t, None);
             }
         }
+        let x = &pass.x;
         let mut last = be.zeros(dm)?;
-        be.copy_within(&x, (c - 1) * dm, &mut last, 0, dm)?;
+        be.copy_within(x, (c - 1) * dm, &mut last, 0, dm)?;
         let last = be.norm(&last, &self.out_norm, cfg.norm_eps)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let logits = be.matmul(&last, head, 1, dm, cfg.vocab_size)?;
@@ -771,6 +684,185 @@ impl Llama {
     /// Greedy next token from logits.
     pub fn greedy(logits: &[f32]) -> u32 {
         argmax(logits) as u32
+    }
+}
+
+/// One forward call's state: the residual stream, the RoPE tables and the
+/// gathered taps.
+struct Pass<'a> {
+    m: &'a Llama,
+    c: usize,
+    pos0: usize,
+    /// Keys after this call (pos0 + c).
+    n: usize,
+    shape: AttnShape,
+    /// One table per distinct RoPE among the layers.
+    ropes: Vec<(RopeParams, Buf)>,
+    /// Per layer the (c, n) q, k, v and o biases, where the model has them.
+    biases: Vec<[Option<Buf>; 4]>,
+    q_len: usize,
+    kv_len: usize,
+    probs: bool,
+    tap_buf: Buf,
+    /// (c, d_model)
+    x: Buf,
+}
+
+impl Pass<'_> {
+    /// One layer's taps from its packed q, k, v, o on the host.
+    fn emit(
+        &self,
+        taps: &mut dyn FnMut(LayerTaps<'_>),
+        layer: usize,
+        t: &[f32],
+        probs: Option<&[f32]>,
+    ) {
+        let (q, rest) = t.split_at(self.q_len);
+        let (k, rest) = rest.split_at(self.kv_len);
+        let (v, o) = rest.split_at(self.kv_len);
+        taps(LayerTaps {
+            layer,
+            pos0: self.pos0,
+            q,
+            k,
+            v,
+            o,
+            probs,
+        });
+    }
+
+    /// Layer `l` on the residual stream: attention over `cache` (or through
+    /// `external`), then the gated MLP.
+    fn layer(
+        &mut self,
+        l: usize,
+        cache: &mut KvCache,
+        colsum: Option<&mut Buf>,
+        external: Option<&mut ExternalAttention<'_>>,
+        taps: &mut dyn FnMut(LayerTaps<'_>),
+    ) -> Result<(), KernelError> {
+        let (m, c, pos0, n) = (self.m, self.c, self.pos0, self.n);
+        let (cfg, be) = (&m.cfg, &m.backend);
+        let (dm, hd, nh, nkv) = (cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
+        let (q_len, kv_len) = (self.q_len, self.kv_len);
+        let tap_len = 2 * (q_len + kv_len);
+        let w = &m.layers[l];
+        let la = &cfg.layer_attention[l];
+        let rope = &self
+            .ropes
+            .iter()
+            .find(|(p, _)| *p == la.rope)
+            .expect("a table per layer RoPE")
+            .1;
+        // Bias i of this layer added to x (c, n).
+        let biases = &self.biases[l];
+        let add_bias = |x: &mut Buf, i: usize| -> Result<(), KernelError> {
+            if let Some(b) = &biases[i] {
+                be.add_assign(x, b)?;
+            }
+            Ok(())
+        };
+        let h = be.norm(&self.x, &w.attn_norm, cfg.norm_eps)?;
+        // q (c, n_heads * head_dim), k and v (c, n_kv_heads * head_dim)
+        let qkv = [(&w.wq, nh * hd), (&w.wk, nkv * hd), (&w.wv, nkv * hd)];
+        let [mut q, mut k, mut v]: [Buf; 3] = be
+            .matmul_many(&h, &qkv, c, dm)?
+            .try_into()
+            .expect("three products");
+        add_bias(&mut q, 0)?;
+        add_bias(&mut k, 1)?;
+        add_bias(&mut v, 2)?;
+        // Per-head RMSNorm: rows of head_dim.
+        if let Some(qn) = &w.q_norm {
+            q = be.norm(&q, qn, cfg.norm_eps)?;
+        }
+        if let Some(kn) = &w.k_norm {
+            k = be.norm(&k, kn, cfg.norm_eps)?;
+        }
+        be.rotate(&mut q, nh, hd, &la.rope, rope)?;
+        be.rotate(&mut k, nkv, hd, &la.rope, rope)?;
+        // head-major: q (n_heads, c, d), k and v (n_kv_heads, c, d)
+        let q = be.transpose_heads(&q, c, nh, hd, true)?;
+        let k = be.transpose_heads(&k, c, nkv, hd, true)?;
+        let v = be.transpose_heads(&v, c, nkv, hd, true)?;
+        let cap = cache.capacity;
+        for g in 0..nkv {
+            let (src, dst) = (g * c * hd, (g * cap + pos0) * hd);
+            be.copy_within(&k, src, &mut cache.k[l], dst, c * hd)?;
+            be.copy_within(&v, src, &mut cache.v[l], dst, c * hd)?;
+        }
+        let mut probs = if self.probs && external.is_none() {
+            Some(be.zeros(nh * c * n)?)
+        } else {
+            None
+        };
+        // o: (n_heads, c, head_dim)
+        let o = if let Some(f) = external {
+            // Closed-loop validation attends on the host, layer by layer.
+            let (qh, kh, vh) = (be.download(&q)?, be.download(&k)?, be.download(&v)?);
+            let mut o = vec![0f32; nh * c * hd];
+            f(l, &qh, &kh, &vh, &mut o)?;
+            taps(LayerTaps {
+                layer: l,
+                pos0,
+                q: &qh,
+                k: &kh,
+                v: &vh,
+                o: &o,
+                probs: None,
+            });
+            be.upload(&o)?
+        } else {
+            let o = be.attention_windowed(
+                &q,
+                &cache.k[l],
+                &cache.v[l],
+                self.shape,
+                la.window,
+                colsum,
+                probs.as_mut(),
+            )?;
+            // Gather this layer's taps on the device; without
+            // probabilities they come down together after the last
+            // layer, so the host never waits on the device in the loop.
+            let at = if self.probs { 0 } else { l * tap_len };
+            for (buf, off, len) in [
+                (&q, 0, q_len),
+                (&k, q_len, kv_len),
+                (&v, q_len + kv_len, kv_len),
+                (&o, q_len + 2 * kv_len, q_len),
+            ] {
+                be.copy_within(buf, 0, &mut self.tap_buf, at + off, len)?;
+            }
+            if let Some(p) = &probs {
+                let t = be.download(&self.tap_buf)?;
+                self.emit(taps, l, &t, Some(&be.download(p)?));
+            }
+            o
+        };
+        let o_rows = be.transpose_heads(&o, c, nh, hd, false)?;
+        let mut attn = be.matmul(&o_rows, &w.wo, c, nh * hd, dm)?;
+        add_bias(&mut attn, 3)?;
+        if let Some(pn) = &w.post_attn_norm {
+            attn = be.norm(&attn, pn, cfg.norm_eps)?;
+        }
+        be.add_assign(&mut self.x, &attn)?;
+        // Gated MLP (SwiGLU or GeGLU)
+        let h = be.norm(&self.x, &w.ffn_norm, cfg.norm_eps)?;
+        let gate_up = [(&w.w_gate, cfg.ffn_dim), (&w.w_up, cfg.ffn_dim)];
+        let [mut gate, up]: [Buf; 2] = be
+            .matmul_many(&h, &gate_up, c, dm)?
+            .try_into()
+            .expect("two products");
+        match cfg.activation {
+            Activation::Silu => be.swiglu(&mut gate, &up)?,
+            Activation::GeluTanh => be.gelu_tanh_mul(&mut gate, &up)?,
+        }
+        let mut down = be.matmul(&gate, &w.w_down, c, cfg.ffn_dim, dm)?;
+        if let Some(pn) = &w.post_ffn_norm {
+            down = be.norm(&down, pn, cfg.norm_eps)?;
+        }
+        be.add_assign(&mut self.x, &down)
     }
 }
 

@@ -24,6 +24,9 @@ pub(super) enum BenchCmd {
         /// Where to compute: cpu, cuda or auto
         #[arg(long, default_value = "cpu")]
         device: kvreplay_kernels::DeviceRequest,
+        /// Prompt positions per prefill step (as `capture --prefill-chunk`).
+        #[arg(long, default_value_t = kvreplay_capture::DEFAULT_PREFILL_CHUNK)]
+        prefill_chunk: usize,
     },
     /// Replay speed: one (policy, budget) point and a sweep of every policy over 6 budgets.
     Replay {

@@ -44,7 +44,7 @@ pub(super) struct CaptureArgs {
     #[arg(long)]
     attn_probs: bool,
     /// Prompt positions per prefill step (bounds memory on long prompts).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = kvreplay_capture::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
     /// Named prompt token span NAME:START:END (end exclusive), recorded in the manifest. Repeatable.
     #[arg(long = "span", value_parser = parse_span)]

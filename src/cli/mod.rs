@@ -200,6 +200,7 @@ pub fn run() -> Result<()> {
             reps,
             dtype,
             device,
+            prefill_chunk,
         }) => crate::bench::bench_capture(&crate::bench::CaptureBench {
             model: resolve_model(model)?,
             prompt_tokens,
@@ -207,6 +208,7 @@ pub fn run() -> Result<()> {
             reps: reps.max(1),
             dtype,
             device,
+            prefill_chunk,
         }),
     }
 }

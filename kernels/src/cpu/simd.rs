@@ -528,7 +528,7 @@ pub fn exp<S: Simd>(x: S::F) -> S::F {
     p = S::fma(p, r, S::splat(4.166_579_6e-2));
     p = S::fma(p, r, S::splat(1.666_666_5e-1));
     p = S::fma(p, r, S::splat(0.5)); // Cephes: 5.0000001201e-1, 0.5 in f32
-    // 1 + (r + r²·P): the one rounding of the final add dominates the error.
+                                     // 1 + (r + r²·P): the one rounding of the final add dominates the error.
     let r2 = S::mul(r, r);
     let e = S::add(S::fma(p, r2, r), S::splat(1.0));
     let y = S::mul(e, S::pow2(n));
