@@ -86,11 +86,21 @@ pub fn windowed_attention_head(
             .as_deref_mut()
             .map(|p| &mut p[r0 * n..(r0 + rows) * n]);
         let cs = stats.colsum.is_some().then_some(&mut part[..]);
-        let at = Position::Consecutive(pos0 + r0);
         let q = &q[r0 * d..(r0 + rows) * d];
         let out = &mut out[r0 * d..(r0 + rows) * d];
         let kv = (&k[..n * d], &v[..n * d]);
-        attend(q, keys.as_ref(), kv, d, at, window, scale, out, probs, cs);
+        attend(
+            q,
+            keys.as_ref(),
+            kv,
+            d,
+            pos0 + r0,
+            window,
+            scale,
+            out,
+            probs,
+            cs,
+        );
         if let Some(colsum) = stats.colsum.as_deref_mut() {
             add_and_clear(&mut colsum[..tracked], &mut part);
         }
@@ -156,6 +166,10 @@ pub fn attention_heads(
             "attention: probs is not (heads, c, n)"
         );
     }
+    if c == 1 {
+        let shape = (n_heads, n_kv_heads, cap, d);
+        return one_query_heads(q, k, v, shape, pos0, window, scale, out, colsum, probs);
+    }
     let group = n_heads / n_kv_heads;
     let kv_of = |g: usize| {
         (
@@ -165,24 +179,12 @@ pub fn attention_heads(
     };
     let n_tracked = colsum.as_ref().map_or(0, |cs| cs.len() / n_heads);
     let tracked = n_tracked.min(n);
-    // One query per head: a task per KV head over its query heads' rows
-    // (contiguous when c = 1); each row's part is its own probabilities.
-    let (task_rows, tasks) = if c == 1 {
-        (group, n_kv_heads)
-    } else {
-        (ROWS, n_heads * c.div_ceil(ROWS))
-    };
-    let mut parts = vec![
-        0f32;
-        if colsum.is_some() {
-            n_heads * c.div_ceil(ROWS) * tracked
-        } else {
-            0
-        }
-    ];
-    let per_task_parts = if c == 1 { group } else { 1 };
+    let blocks = c.div_ceil(ROWS);
+    let tasks = n_heads * blocks;
+    // Per (head, block): its outputs, probability rows and column-sum part
+    // (reduced in block order below).
+    let mut parts = vec![0f32; if colsum.is_some() { tasks * tracked } else { 0 }];
     let mut probs_rows: Vec<Option<&mut [f32]>> = match probs {
-        Some(p) if c == 1 => p.chunks_mut(group * n).map(Some).collect(),
         Some(p) => p
             .chunks_mut(c * n)
             .flat_map(|head| head.chunks_mut(ROWS * n))
@@ -191,59 +193,33 @@ pub fn attention_heads(
         None => (0..tasks).map(|_| None).collect(),
     };
     let mut part_rows: Vec<Option<&mut [f32]>> = if tracked > 0 {
-        parts
-            .chunks_mut(per_task_parts * tracked)
-            .map(Some)
-            .collect()
+        parts.chunks_mut(tracked).map(Some).collect()
     } else {
         (0..tasks).map(|_| None).collect()
     };
     let mut outs: Vec<&mut [f32]> = Vec::with_capacity(tasks);
-    for head in out.chunks_mut(if c == 1 { group * d } else { c * d }) {
-        outs.extend(head.chunks_mut(task_rows * d));
+    for head in out.chunks_mut(c * d) {
+        outs.extend(head.chunks_mut(ROWS * d));
     }
     debug_assert!(outs.len() == tasks && probs_rows.len() == tasks && part_rows.len() == tasks);
     // Keys packed once per KV head, shared by its query heads and blocks.
-    let packed: Vec<PackedKeys> = if c > 1 {
-        let lo = key_start(pos0, window);
-        (0..n_kv_heads)
-            .into_par_iter()
-            .map(|g| PackedKeys::new(kv_of(g).0, d, lo))
-            .collect()
-    } else {
-        Vec::new()
-    };
-    let blocks = c.div_ceil(ROWS);
+    let lo = key_start(pos0, window);
+    let packed: Vec<PackedKeys> = (0..n_kv_heads)
+        .into_par_iter()
+        .map(|g| PackedKeys::new(kv_of(g).0, d, lo))
+        .collect();
     outs.par_iter_mut()
         .zip(probs_rows.par_iter_mut())
         .zip(part_rows.par_iter_mut())
         .enumerate()
         .for_each(|(t, ((o, pr), cs))| {
             let rows = o.len() / d;
-            if c == 1 {
-                let qs = &q[t * group * d..(t + 1) * group * d];
-                let at = Position::Same(pos0);
-                attend(
-                    qs,
-                    None,
-                    kv_of(t),
-                    d,
-                    at,
-                    window,
-                    scale,
-                    o,
-                    pr.as_deref_mut(),
-                    cs.as_deref_mut(),
-                );
-            } else {
-                let (h, b) = (t / blocks, t % blocks);
-                let g = h / group;
-                let r0 = b * ROWS;
-                let qs = &q[(h * c + r0) * d..(h * c + r0 + rows) * d];
-                let at = Position::Consecutive(pos0 + r0);
-                let (pk, pr, cs) = (packed.get(g), pr.as_deref_mut(), cs.as_deref_mut());
-                attend(qs, pk, kv_of(g), d, at, window, scale, o, pr, cs);
-            }
+            let (h, b) = (t / blocks, t % blocks);
+            let g = h / group;
+            let r0 = b * ROWS;
+            let qs = &q[(h * c + r0) * d..(h * c + r0 + rows) * d];
+            let (pk, pr, cs) = (Some(&packed[g]), pr.as_deref_mut(), cs.as_deref_mut());
+            attend(qs, pk, kv_of(g), d, pos0 + r0, window, scale, o, pr, cs);
         });
     if let Some(colsum) = colsum {
         for h in 0..n_heads {
@@ -251,6 +227,132 @@ pub fn attention_heads(
             for b in 0..blocks {
                 let at = (h * blocks + b) * tracked;
                 add_and_clear(cs, &mut parts[at..at + tracked]);
+            }
+        }
+    }
+}
+
+/// Parts a one-query step is split into: keys for the scores, dimensions
+/// for the weighted values (a fixed number: results do not depend on it).
+const PARTS: usize = 2;
+
+/// [`attention_heads`] for one query per head (decode). Two parallel
+/// phases, so that both threads stream keys and values even with fewer KV
+/// heads than 2 per thread: scores per (KV head, run of keys), then per (KV
+/// head, part of the dimensions) the softmax of its query heads' rows and
+/// their weighted values over those dimensions. Every value is computed as
+/// in [`attend`] (the same bits).
+#[allow(clippy::too_many_arguments)]
+fn one_query_heads(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (n_heads, n_kv_heads, cap, d): (usize, usize, usize, usize),
+    pos: usize,
+    window: Option<usize>,
+    scale: f32,
+    out: &mut [f32],
+    colsum: Option<&mut [f32]>,
+    probs: Option<&mut [f32]>,
+) {
+    use rayon::prelude::*;
+    let group = n_heads / n_kv_heads;
+    let n = pos + 1;
+    let klo = key_start(pos, window);
+    let w = n - klo;
+    // Key runs: whole packs of 64 keys, the last ragged.
+    let run = w.div_ceil(PARTS).div_ceil(64) * 64;
+    let runs: Vec<(usize, usize)> = (0..PARTS)
+        .map(|i| (klo + (i * run).min(w), klo + ((i + 1) * run).min(w)))
+        .collect();
+    // Phase 1: per (KV head, run) the scores of its query rows, (group,
+    // run width rounded up to 8).
+    let scored: Vec<Vec<f32>> = (0..n_kv_heads * PARTS)
+        .into_par_iter()
+        .map(|t| {
+            let (g, (j0, j1)) = (t / PARTS, runs[t % PARTS]);
+            let pw = (j1 - j0).div_ceil(8) * 8;
+            let mut s = vec![0f32; group * pw];
+            let qg = &q[g * group * d..(g + 1) * group * d];
+            let kg = &k[g * cap * d..];
+            let mut panel = vec![0f32; 64 * d];
+            for p0 in (j0..j1).step_by(64) {
+                let nk = (j1 - p0).min(64);
+                let np = nk.div_ceil(8);
+                pack_keys(&kg[p0 * d..(p0 + nk) * d], d, &mut panel[..np * 8 * d]);
+                scores(qg, &panel[..np * 8 * d], d, &mut s[p0 - j0..], pw);
+            }
+            s
+        })
+        .collect();
+    // The rows, whole: (n_heads, ws), ws = w rounded up to 8.
+    let ws = w.div_ceil(8) * 8;
+    let mut rows = vec![0f32; n_heads * ws];
+    for (t, part) in scored.iter().enumerate() {
+        let (g, (j0, j1)) = (t / PARTS, runs[t % PARTS]);
+        let pw = (j1 - j0).div_ceil(8) * 8;
+        for r in 0..group {
+            let dst = &mut rows[(g * group + r) * ws..(g * group + r + 1) * ws];
+            dst[j0 - klo..j1 - klo].copy_from_slice(&part[r * pw..r * pw + (j1 - j0)]);
+        }
+    }
+    // Phase 2: per (KV head, part of the dimensions) the softmax of the
+    // group's rows (the same in every part) and their weighted values.
+    let split = (d / 8).div_ceil(PARTS) * 8;
+    let dims: Vec<(usize, usize)> = (0..PARTS)
+        .map(|i| {
+            let t1 = if i + 1 == PARTS {
+                d
+            } else {
+                ((i + 1) * split).min(d)
+            };
+            ((i * split).min(d), t1)
+        })
+        .collect();
+    let done: Vec<(Vec<f32>, Vec<f32>)> = (0..n_kv_heads * PARTS)
+        .into_par_iter()
+        .map(|t| {
+            let (g, dim) = (t / PARTS, dims[t % PARTS]);
+            let mut p = rows[g * group * ws..(g + 1) * group * ws].to_vec();
+            for row in p.chunks_exact_mut(ws) {
+                softmax_row(&mut row[..w], scale);
+            }
+            let mut o = vec![0f32; group * d];
+            let vg = &v[(g * cap + klo) * d..(g * cap + n) * d];
+            weighted_values(&p, ws, vg, d, dim, &mut o);
+            (p, o)
+        })
+        .collect();
+    for (t, (_, o)) in done.iter().enumerate() {
+        let (g, (t0, t1)) = (t / PARTS, dims[t % PARTS]);
+        for r in 0..group {
+            let h = g * group + r;
+            out[h * d + t0..h * d + t1].copy_from_slice(&o[r * d + t0..r * d + t1]);
+        }
+    }
+    // Probabilities and column sums from each KV head's first part.
+    let firsts = || done.iter().step_by(PARTS).enumerate();
+    if let Some(pr) = probs {
+        for (g, (p, _)) in firsts() {
+            for r in 0..group {
+                let h = g * group + r;
+                let dst = &mut pr[h * n..(h + 1) * n];
+                dst[..klo].fill(0.0);
+                dst[klo..].copy_from_slice(&p[r * ws..r * ws + w]);
+            }
+        }
+    }
+    if let Some(cs) = colsum {
+        // A block of one row: its part is 0 + p, then added to the sum.
+        let n_tracked = cs.len() / n_heads;
+        let tracked = n_tracked.min(n);
+        for (g, (p, _)) in firsts() {
+            for r in 0..group {
+                let h = g * group + r;
+                let csh = &mut cs[h * n_tracked..h * n_tracked + tracked];
+                for j in klo..tracked {
+                    csh[j] += 0.0 + p[r * ws + j - klo];
+                }
             }
         }
     }
@@ -325,27 +427,18 @@ fn pack_keys_impl<S: Simd>(k: &[f32], d: usize, dst: &mut [f32]) {
     }
 }
 
-/// Where a group of query rows sits.
-#[derive(Clone, Copy)]
-enum Position {
-    /// Row i at position p + i (a block of one head's queries).
-    Consecutive(usize),
-    /// Every row at position p (one query of each head of a KV group).
-    Same(usize),
-}
-
-/// Query rows (rows, d) over keys and values (n, d): out (rows, d);
-/// `probs` (rows, n), zero outside each query's keys; `part`: `+= P[i, j]`
-/// over the rows in order, (tracked,) for consecutive rows, (rows, tracked)
-/// (one part per row) for rows at the same position. `packed`: the keys as
-/// [`PackedKeys`]; None packs them as it goes (one position: few rows).
+/// Query rows (rows, d) at positions p0 .. p0 + rows over keys and values
+/// (n, d): out (rows, d); `probs` (rows, n), zero outside each query's
+/// keys; `part` (tracked,): `+= P[i, j]` over the rows in order. `packed`:
+/// the keys as [`PackedKeys`]; None packs them 64 at a time as it goes (one
+/// query).
 #[allow(clippy::too_many_arguments)]
 fn attend(
     q: &[f32],
     packed: Option<&PackedKeys>,
     (k, v): (&[f32], &[f32]),
     d: usize,
-    at: Position,
+    p0: usize,
     window: Option<usize>,
     scale: f32,
     out: &mut [f32],
@@ -353,11 +446,8 @@ fn attend(
     part: Option<&mut [f32]>,
 ) {
     let rows = q.len() / d;
-    let pos = |i: usize| match at {
-        Position::Consecutive(p) => p + i,
-        Position::Same(p) => p,
-    };
-    let (klo, khi) = (key_start(pos(0), window), pos(rows - 1) + 1);
+    let pos = |i: usize| p0 + i;
+    let (klo, khi) = (key_start(p0, window), p0 + rows);
     SCRATCH.with(|cell| {
         let mut fresh = Vec::new();
         let mut held = cell.try_borrow_mut();
@@ -403,27 +493,13 @@ fn attend(
             softmax_row(&mut row[lo..valid], scale);
             row[valid..].fill(0.0);
         }
-        weighted_values(s, ws, &v[ks * d..khi * d], d, out);
+        weighted_values(s, ws, &v[ks * d..khi * d], d, (0, d), out);
         let cols = khi - ks;
-        if let Some(part) = part {
-            // One part per row (same position) or one for all (consecutive).
-            let per_row = matches!(at, Position::Same(_));
-            let tracked = if per_row {
-                part.len() / rows
-            } else {
-                part.len()
-            };
-            if tracked > ks {
-                let m = (tracked - ks).min(cols);
-                for (i, row) in s.chunks_exact(ws).enumerate() {
-                    let pr = if per_row {
-                        &mut part[i * tracked..(i + 1) * tracked]
-                    } else {
-                        &mut part[..]
-                    };
-                    for (c, p) in pr[ks..ks + m].iter_mut().zip(&row[..m]) {
-                        *c += *p;
-                    }
+        if let Some(part) = part.filter(|p| p.len() > ks) {
+            let m = (part.len() - ks).min(cols);
+            for row in s.chunks_exact(ws) {
+                for (c, p) in part[ks..ks + m].iter_mut().zip(&row[..m]) {
+                    *c += *p;
                 }
             }
         }
@@ -657,17 +733,27 @@ fn interleave<const R: usize>(src: &[f32], ws: usize, jn: usize, pi: &mut [f32])
 }
 
 simd_fn! {
-    /// out (rows, d) = p (rows, ws; its first nk = v.len() / d columns) ·
-    /// v (nk, d): per element one fused chain over the keys in order.
-    fn weighted_values(p: &[f32], ws: usize, v: &[f32], d: usize, out: &mut [f32]) = weighted_values_impl;
+    /// out (rows, d), dimensions t0 .. t1 only (t0 a multiple of 8) = p
+    /// (rows, ws; its first nk = v.len() / d columns) · v (nk, d): per
+    /// element one fused chain over the keys in order.
+    fn weighted_values(p: &[f32], ws: usize, v: &[f32], d: usize, dims: (usize, usize), out: &mut [f32]) = weighted_values_impl;
 }
 
 #[inline(always)]
-fn weighted_values_impl<S: Simd>(p: &[f32], ws: usize, v: &[f32], d: usize, out: &mut [f32]) {
+fn weighted_values_impl<S: Simd>(
+    p: &[f32],
+    ws: usize,
+    v: &[f32],
+    d: usize,
+    (t0, t1): (usize, usize),
+    out: &mut [f32],
+) {
     let rows = out.len() / d;
     let nk = v.len() / d;
     assert!(nk <= ws && p.len() >= rows * ws && out.len() == rows * d && v.len() == nk * d);
-    let nv = d / 8;
+    assert!(t0.is_multiple_of(8) && t0 <= t1 && t1 <= d);
+    // Whole vectors uo .. uo + nv of each row (dimensions 8uo ..).
+    let (uo, nv) = (t0 / 8, (t1 / 8).saturating_sub(t0 / 8));
     // The rows of a tile, interleaved per key: pi[j·R + r] = p[r, j].
     let mut pi = [0f32; MR * KV];
     macro_rules! tile {
@@ -678,9 +764,9 @@ fn weighted_values_impl<S: Simd>(p: &[f32], ws: usize, v: &[f32], d: usize, out:
                 pv_tile::<S, $r, $v>(
                     pi.as_ptr(),
                     $jn,
-                    v.as_ptr().add($j0 * d + 8 * $u0),
+                    v.as_ptr().add($j0 * d + 8 * (uo + $u0)),
                     d,
-                    out.as_mut_ptr().add($r0 * d + 8 * $u0),
+                    out.as_mut_ptr().add($r0 * d + 8 * (uo + $u0)),
                     $j0 == 0,
                 )
             }
@@ -729,11 +815,13 @@ fn weighted_values_impl<S: Simd>(p: &[f32], ws: usize, v: &[f32], d: usize, out:
             }
         }
         if nk == 0 {
-            out.iter_mut().for_each(|x| *x = 0.0);
+            for row in out.chunks_exact_mut(d) {
+                row[8 * uo..8 * (uo + nv)].fill(0.0);
+            }
         }
     }
     // Dimensions past the last multiple of 8: the same chain, in scalars.
-    for t in 8 * nv..d {
+    for t in (8 * (d / 8)).max(t0)..t1 {
         for r in 0..rows {
             let mut acc = 0f32;
             for j in 0..nk {
@@ -1034,8 +1122,8 @@ mod tests {
             scores_impl::<Portable>(&q, &kp, d, &mut s2, np * 8);
             assert_eq!(s1, s2, "d={d} scores");
             let (mut o1, mut o2) = (vec![0f32; rows * d], vec![0f32; rows * d]);
-            weighted_values(&s1, np * 8, &v, d, &mut o1);
-            weighted_values_impl::<Portable>(&s1, np * 8, &v, d, &mut o2);
+            weighted_values(&s1, np * 8, &v, d, (0, d), &mut o1);
+            weighted_values_impl::<Portable>(&s1, np * 8, &v, d, (0, d), &mut o2);
             assert_eq!(o1, o2, "d={d} outputs");
             let mut r1 = data(w, 4.5);
             let mut r2 = r1.clone();
