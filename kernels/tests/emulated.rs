@@ -610,14 +610,15 @@ fn check_gate_kernel(test: &str, name: &'static str, seed: u64, twin: fn(&mut [f
     }
 }
 
-/// Exact: the same f32 operations, and both call the host's expf.
+/// Exact: the same f32 operations, e^x by the same polynomial (`kv_exp`,
+/// `cpu::simd::exp`).
 #[test]
 fn emu_silu_mul() {
     check_gate_kernel("emu_silu_mul", "silu_mul", 13, cpu::silu_mul);
 }
 
-/// Exact: the same f32 operations in the same order, and both call the
-/// host's tanhf (Rust's f32::tanh is libm's tanhf).
+/// Exact: the same f32 operations in the same order, e^x by the same
+/// polynomial.
 #[test]
 fn emu_gelu_tanh_mul() {
     check_gate_kernel("emu_gelu_tanh_mul", "gelu_tanh_mul", 23, cpu::gelu_tanh_mul);

@@ -27,6 +27,7 @@ pub trait Simd: Copy + Send + Sync + 'static {
     fn add(a: Self::F, b: Self::F) -> Self::F;
     fn sub(a: Self::F, b: Self::F) -> Self::F;
     fn mul(a: Self::F, b: Self::F) -> Self::F;
+    fn div(a: Self::F, b: Self::F) -> Self::F;
     /// a·b + c with one rounding.
     fn fma(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
     /// Lane-wise maximum (`b` where either is NaN, as `maxps` does).
@@ -72,6 +73,8 @@ pub trait Simd: Copy + Send + Sync + 'static {
     fn dzero() -> Self::D;
     /// (lo + lanes 0..4 as f64, hi + lanes 4..8 as f64).
     fn dacc(acc: (Self::D, Self::D), v: Self::F) -> (Self::D, Self::D);
+    /// (lo + (lanes 0..4 as f64)², hi + (lanes 4..8 as f64)²).
+    fn dacc_sq(acc: (Self::D, Self::D), v: Self::F) -> (Self::D, Self::D);
     /// ((lo0 + hi0) + (lo2 + hi2)) + ((lo1 + hi1) + (lo3 + hi3)).
     fn dsum(acc: (Self::D, Self::D)) -> f64;
 }
@@ -146,6 +149,10 @@ impl Simd for Portable {
     #[inline(always)]
     fn mul(a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
         zip(a, b, |x, y| x * y)
+    }
+    #[inline(always)]
+    fn div(a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        zip(a, b, |x, y| x / y)
     }
     #[inline(always)]
     fn fma(a: [f32; 8], b: [f32; 8], c: [f32; 8]) -> [f32; 8] {
@@ -248,6 +255,13 @@ impl Simd for Portable {
         )
     }
     #[inline(always)]
+    fn dacc_sq(acc: ([f64; 4], [f64; 4]), v: [f32; 8]) -> ([f64; 4], [f64; 4]) {
+        (
+            core::array::from_fn(|i| acc.0[i] + v[i] as f64 * v[i] as f64),
+            core::array::from_fn(|i| acc.1[i] + v[i + 4] as f64 * v[i + 4] as f64),
+        )
+    }
+    #[inline(always)]
     fn dsum(acc: ([f64; 4], [f64; 4])) -> f64 {
         let s: [f64; 4] = core::array::from_fn(|i| acc.0[i] + acc.1[i]);
         (s[0] + s[2]) + (s[1] + s[3])
@@ -303,6 +317,10 @@ mod avx2 {
         #[inline(always)]
         fn mul(a: __m256, b: __m256) -> __m256 {
             unsafe { _mm256_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        fn div(a: __m256, b: __m256) -> __m256 {
+            unsafe { _mm256_div_ps(a, b) }
         }
         #[inline(always)]
         fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
@@ -438,6 +456,17 @@ mod avx2 {
                 (
                     _mm256_add_pd(acc.0, _mm256_cvtps_pd(_mm256_castps256_ps128(v))),
                     _mm256_add_pd(acc.1, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v))),
+                )
+            }
+        }
+        #[inline(always)]
+        fn dacc_sq(acc: (__m256d, __m256d), v: __m256) -> (__m256d, __m256d) {
+            unsafe {
+                let lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+                let hi = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v));
+                (
+                    _mm256_add_pd(acc.0, _mm256_mul_pd(lo, lo)),
+                    _mm256_add_pd(acc.1, _mm256_mul_pd(hi, hi)),
                 )
             }
         }

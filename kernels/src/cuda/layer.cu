@@ -22,22 +22,25 @@ extern "C" __global__ void rms_norm(float* x, const float* w, int dim, float eps
     for (int j = threadIdx.x; j < dim; j += BLOCK) row[j] = row[j] * inv * w[j];
 }
 
-// gate = silu(gate) * up, element-wise.
+// gate = silu(gate) * up, element-wise: g / (1 + e^-g) * up, as the CPU
+// twin computes it (kv_exp).
 extern "C" __global__ void silu_mul(float* gate, const float* up, i64 n) {
     i64 i = global_id();
     if (i >= n) return;
     float g = gate[i];
-    gate[i] = g / (1.0f + expf(-g)) * up[i];
+    gate[i] = g / (1.0f + kv_exp(-g)) * up[i];
 }
 
 // gate = gelu_tanh(gate) * up, element-wise (Gemma's GeGLU): the CPU twin's
-// f32 operations in its order, with tanhf.
+// f32 operations in its order: gelu(x) = 0.5 x (1 + tanh(z)) computed as
+// x / (1 + e^(-2z)), z = sqrt(2/pi) (x + 0.044715 x^3).
 extern "C" __global__ void gelu_tanh_mul(float* gate, const float* up, i64 n) {
     i64 i = global_id();
     if (i >= n) return;
     float x = gate[i];
-    float inner = 0.7978846f * (x + 0.044715f * x * x * x);
-    gate[i] = 0.5f * x * (1.0f + tanhf(inner)) * up[i];
+    float c = __int_as_float(0x3d372713) * x * x * x;
+    float z = __int_as_float(0x3f4c422a) * (x + c);
+    gate[i] = x / (1.0f + kv_exp(-2.0f * z)) * up[i];
 }
 
 // x *= s, element-wise (Gemma's embedding scale).
