@@ -392,6 +392,11 @@ fn pack_keys_impl<S: Simd>(k: &[f32], d: usize, dst: &mut [f32]) {
     let body = d - d % 8;
     for (p, keys) in k.chunks(8 * d).enumerate() {
         let panel = &mut dst[p * 8 * d..(p + 1) * 8 * d];
+        // Keys stream from memory (decode): ask for the panel after next.
+        let ahead = keys.as_ptr().wrapping_add(16 * d).cast::<u8>();
+        for line in (0..32 * d).step_by(64) {
+            S::prefetch(ahead.wrapping_add(line));
+        }
         if keys.len() == 8 * d {
             for c in (0..body).step_by(8) {
                 // SAFETY: keys holds 8 rows of d >= c + 8; panel 8d elements.
@@ -703,6 +708,8 @@ unsafe fn pv_tile<S: Simd, const R: usize, const V: usize>(
         }
     }
     for j in 0..nk {
+        // Values stream from memory (decode): ask for the row 16 keys on.
+        S::prefetch(v.wrapping_add((j + 16) * d).cast());
         let mut b = [S::zero(); V];
         for (u, bu) in b.iter_mut().enumerate() {
             *bu = S::load(v.add(j * d + 8 * u));

@@ -278,10 +278,15 @@ mod tests {
         use crate::cpu::simd::Portable;
         for dim in [576usize, 13, 8, 640] {
             let rows = 37;
-            let x: Vec<f32> = (0..rows * dim).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 37.0).collect();
+            let x: Vec<f32> = (0..rows * dim)
+                .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 37.0)
+                .collect();
             let w: Vec<f32> = (0..dim).map(|i| 0.5 + (i % 11) as f32 / 10.0).collect();
             let run = |threads: usize| {
-                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
                 let mut y = x.clone();
                 pool.install(|| rms_norm(&mut y, &w, 1e-5));
                 y
@@ -296,7 +301,10 @@ mod tests {
                 for (j, v) in row.iter().enumerate() {
                     let want = *v as f64 / (ms + 1e-5).sqrt() * w[j] as f64;
                     let got = y[r * dim + j] as f64;
-                    assert!((got - want).abs() <= 3e-7 * want.abs() + 1e-30, "{got} vs {want}");
+                    assert!(
+                        (got - want).abs() <= 3e-7 * want.abs() + 1e-30,
+                        "{got} vs {want}"
+                    );
                 }
             }
         }

@@ -501,6 +501,11 @@ fn fused_rows_impl<S: Simd>(
     macro_rules! each {
         ($dot:ident) => {
             for r in 0..nr {
+                // The weights stream from memory: ask for two rows ahead.
+                let ahead = rows.as_ptr().wrapping_add((r + 2) * rb);
+                for line in (0..rb).step_by(64) {
+                    S::prefetch(ahead.wrapping_add(line));
+                }
                 for i in 0..m {
                     // SAFETY: row r has nb blocks (rb bytes); x row i has k
                     // = nb · block_elems elements and its sums k / 4.

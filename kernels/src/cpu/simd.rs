@@ -70,6 +70,10 @@ pub trait Simd: Copy + Send + Sync + 'static {
     /// An f16 bit pattern as f32 (exact).
     fn f16(bits: u16) -> f32;
 
+    /// A hint to fetch the cache line holding `p` (no effect on results;
+    /// `p` need not be valid).
+    fn prefetch(p: *const u8);
+
     fn dzero() -> Self::D;
     /// (lo + lanes 0..4 as f64, hi + lanes 4..8 as f64).
     fn dacc(acc: (Self::D, Self::D), v: Self::F) -> (Self::D, Self::D);
@@ -243,6 +247,8 @@ impl Simd for Portable {
     fn f16(bits: u16) -> f32 {
         half::f16::from_bits(bits).to_f32()
     }
+    #[inline(always)]
+    fn prefetch(_: *const u8) {}
     #[inline(always)]
     fn dzero() -> [f64; 4] {
         [0.0; 4]
@@ -445,6 +451,11 @@ mod avx2 {
         #[inline(always)]
         fn f16(bits: u16) -> f32 {
             unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))) }
+        }
+        #[inline(always)]
+        fn prefetch(p: *const u8) {
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
         }
         #[inline(always)]
         fn dzero() -> __m256d {
