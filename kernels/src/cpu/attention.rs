@@ -665,9 +665,19 @@ fn scores_impl<S: Simd>(q: &[f32], kp: &[f32], d: usize, s: &mut [f32], ws: usiz
         let c1 = (c0 + KC / 8).min(np);
         for r0 in (0..rows).step_by(MR) {
             let mut p0 = c0;
+            let r = (rows - r0).min(MR);
+            // Two or three rows (a GQA group of one-query heads, a block's
+            // last rows): four panels per tile, twelve chains.
+            while r <= 3 && r > 1 && p0 + 4 <= c1 {
+                match r {
+                    3 => tile!(3, 4, r0, p0),
+                    _ => tile!(2, 4, r0, p0),
+                }
+                p0 += 4;
+            }
             while p0 < c1 {
                 let two = p0 + 2 <= c1;
-                match ((rows - r0).min(MR), two) {
+                match (r, two) {
                     (6, true) => tile!(6, 2, r0, p0),
                     (5, true) => tile!(5, 2, r0, p0),
                     (4, true) => tile!(4, 2, r0, p0),
@@ -795,8 +805,16 @@ fn weighted_values_impl<S: Simd>(
                 }
                 let mut u0 = 0;
                 while u0 < nv {
-                    // One row: up to 64 dimensions per pass; more rows: 16.
-                    let step = if r == 1 { 8 } else { 2 }.min(nv - u0);
+                    // Twelve chains or fewer per tile: one row, up to 64
+                    // dimensions per pass over the keys; two, 48; three,
+                    // 32; more, 16.
+                    let step = match r {
+                        1 => 8,
+                        2 => 6,
+                        3 => 4,
+                        _ => 2,
+                    }
+                    .min(nv - u0);
                     match (r, step) {
                         (1, 8) => tile!(1, 8, r0, u0, j0, jn),
                         (1, 7) => tile!(1, 7, r0, u0, j0, jn),
@@ -806,6 +824,12 @@ fn weighted_values_impl<S: Simd>(
                         (1, 3) => tile!(1, 3, r0, u0, j0, jn),
                         (1, 2) => tile!(1, 2, r0, u0, j0, jn),
                         (1, _) => tile!(1, 1, r0, u0, j0, jn),
+                        (3, 4) => tile!(3, 4, r0, u0, j0, jn),
+                        (3, 3) => tile!(3, 3, r0, u0, j0, jn),
+                        (2, 6) => tile!(2, 6, r0, u0, j0, jn),
+                        (2, 5) => tile!(2, 5, r0, u0, j0, jn),
+                        (2, 4) => tile!(2, 4, r0, u0, j0, jn),
+                        (2, 3) => tile!(2, 3, r0, u0, j0, jn),
                         (6, 2) => tile!(6, 2, r0, u0, j0, jn),
                         (5, 2) => tile!(5, 2, r0, u0, j0, jn),
                         (4, 2) => tile!(4, 2, r0, u0, j0, jn),
