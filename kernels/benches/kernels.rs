@@ -1,5 +1,6 @@
 //! Criterion micro-benchmarks of the CPU kernels at SmolLM2 shapes
-//! (head_dim 64, d_model 576, ffn 1536). `cargo bench -p kvreplay-kernels`.
+//! (head_dim 64, d_model 576, ffn 1536; the quantised products also at
+//! Gemma 3's). `cargo bench -p kvreplay-kernels`.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvreplay_kernels::cpu::{self, AttentionStats, BlockType};
@@ -123,7 +124,6 @@ fn capture_ops(c: &mut Criterion) {
         let q = data(nh * c_len * d, 15);
         let mut o = vec![0f32; nh * c_len * d];
         let mut colsum = vec![0f32; nh * cap];
-        let keys = (pos0 + c_len) * nh;
         g.throughput(Throughput::Elements(
             ((c_len as f64 / 2.0 + pos0 as f64) * nh as f64 * c_len as f64) as u64,
         ));
@@ -143,7 +143,6 @@ fn capture_ops(c: &mut Criterion) {
                 )
             })
         });
-        let _ = keys;
     }
     let mut row = data(2048, 16);
     g.throughput(Throughput::Elements(2048));
@@ -168,6 +167,32 @@ fn capture_ops(c: &mut Criterion) {
             b.iter(|| cpu::linear_quant(black_box(&x), &w, &mut out, m, k, n))
         });
     }
+    // The element-wise passes of a 256-position chunk (SmolLM2 widths), each
+    // on a fresh copy of its input (the copy is included).
+    let (gate, up) = (data(256 * 1536, 18), data(256 * 1536, 19));
+    let mut work = gate.clone();
+    g.throughput(Throughput::Elements((256 * 1536) as u64));
+    g.bench_function("silu_mul/256x1536", |b| {
+        b.iter(|| {
+            work.copy_from_slice(&gate);
+            cpu::silu_mul(black_box(&mut work), &up)
+        })
+    });
+    g.bench_function("gelu_tanh_mul/256x1536", |b| {
+        b.iter(|| {
+            work.copy_from_slice(&gate);
+            cpu::gelu_tanh_mul(black_box(&mut work), &up)
+        })
+    });
+    let (hx, nw) = (data(256 * 576, 20), data(576, 21));
+    let mut hw = hx.clone();
+    g.throughput(Throughput::Elements((256 * 576) as u64));
+    g.bench_function("rms_norm/256x576", |b| {
+        b.iter(|| {
+            hw.copy_from_slice(&hx);
+            cpu::rms_norm(black_box(&mut hw), &nw, 1e-5)
+        })
+    });
     let blocks = 1 << 15;
     let raw: Vec<u8> = (0..blocks * 20)
         .map(|i| (i * 31 % 251) as u8 & 0x3f)
