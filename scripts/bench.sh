@@ -8,7 +8,10 @@
 #   4. replay time against prompt length, 512 to 16,384 tokens, and its exponent;
 #   5. lines starting "target" put each figure the performance issue sets a
 #      target for beside it (17-policy sweep, EMS/D2O/MiniCache/quant per
-#      point, points per rerun, NumPy ratio, capture tok/s): met or not met.
+#      point, points per rerun, NumPy ratio, capture tok/s): met or not met;
+#   6. where .venv-hf/ exists (scripts/test-python-hf.sh makes it), PyTorch's
+#      figure on the same machine (scripts/bench-torch.py: HF transformers,
+#      float32, same model and lengths) and capture's ratios to it.
 # The first run captures the traces it needs (a few minutes for the longest).
 # Usage: scripts/bench.sh [--quick]   (--quick: one repetition, no criterion)
 set -euo pipefail
@@ -29,11 +32,33 @@ log=results/bench/bench-$(date -u +%Y%m%dT%H%M%SZ).txt
     fi
     echo "## capture"
     target/release/kvreplay bench capture --prompt-tokens 2048 --decode 64 --reps "$reps"
+    if [ -x .venv-hf/bin/python ]; then
+        echo "## PyTorch, same model and lengths"
+        .venv-hf/bin/python scripts/bench-torch.py --prompt-tokens 2048 --decode 64 --reps "$reps" \
+            --threads "$(nproc)" 2>&1 | grep -v Warning
+    fi
     echo "## replay"
     target/release/kvreplay bench replay --trace results/bench2048.kvtrace --reps "$reps"
     echo "## scaling"
     target/release/kvreplay bench scaling --reps "$reps"
 } 2>&1 | tee "$log"
+# capture against PyTorch (the issue's targets: 1.2x prefill, 5x decode)
+ratios() {
+    local ours torch
+    ours=$(grep -m1 '^median: prefill' "$log" || true)
+    torch=$(grep -m1 '^torch .*median prefill' "$log" || true)
+    [ -n "$ours" ] && [ -n "$torch" ] || return 0
+    python3 - "$ours" "$torch" <<'PY'
+import re, sys
+o = [float(x) for x in re.findall(r"([0-9.]+) tok/s", sys.argv[1])]
+t = [float(x) for x in re.findall(r"([0-9.]+) tok/s", sys.argv[2])]
+for name, a, b, want in [("prefill", o[0], t[0], 1.2), ("decode", o[1], t[1], 5.0)]:
+    r = a / b
+    print(f"target  capture {name} vs PyTorch: {r:.2f}x ({a:.1f} / {b:.1f} tok/s; "
+          f"target >= {want}x): {'met' if r >= want else 'not met'}")
+PY
+}
+ratios | tee -a "$log"
 # every figure with a target, together
 { echo "## targets"; grep '^target' "$log" || true; } | tee -a "$log"
 echo "wrote $log"
