@@ -256,17 +256,7 @@ impl Backend {
         z: &mut [f64],
         out: &mut [f32],
     ) -> Result<(), KernelError> {
-        let (nq, n) = (z.len(), bias.len());
-        let d = q.len() / nq.max(1);
-        check(
-            q.len() == nq * d
-                && keys.len() == n * d
-                && values.len() == n * d
-                && w.len() == nq * n
-                && out.len() == nq * d,
-            "attend_biased",
-            || format!("shapes do not match (nq={nq}, n={n}, d={d})"),
-        )?;
+        attend_shapes("attend_biased", q, keys, values, bias, w, z, out, &[])?;
         match self {
             Backend::Cpu => {
                 cpu::attend_biased_multi(q, keys, values, bias, scale, w, z, out);
@@ -296,18 +286,16 @@ impl Backend {
         x: &mut [f32],
         p: &mut [f32],
     ) -> Result<(), KernelError> {
-        let (nq, n) = (z.len(), bias.len());
-        let d = q.len() / nq.max(1);
-        check(
-            q.len() == nq * d
-                && keys.len() == n * d
-                && values.len() == n * d
-                && w.len() == nq * n
-                && out.len() == nq * d
-                && x.len() == nq * n
-                && p.len() == nq * n,
+        attend_shapes(
             "attend_biased_probs",
-            || format!("shapes do not match (nq={nq}, n={n}, d={d})"),
+            q,
+            keys,
+            values,
+            bias,
+            w,
+            z,
+            out,
+            &[x, p],
         )?;
         match self {
             Backend::Cpu => {
@@ -317,6 +305,7 @@ impl Backend {
             #[cfg(feature = "cuda")]
             Backend::Cuda(c) => {
                 c.attend_biased(q, keys, values, bias, scale, w, z, out)?;
+                let n = bias.len();
                 for (j, zj) in z.iter().enumerate() {
                     for e in j * n..(j + 1) * n {
                         p[e] = (w[e] / zj) as f32;
@@ -359,6 +348,35 @@ impl Backend {
             Backend::Cuda(c) => c.attention_rows(q, keys, d, lens, gains, scale, out),
         }
     }
+}
+
+/// The shapes of an attention of `nq = z.len()` queries over `n = bias.len()`
+/// entries: q, out (nq, d); keys, values (n, d); w and each of `per_entry`
+/// (nq, n).
+#[allow(clippy::too_many_arguments)]
+fn attend_shapes(
+    op: &'static str,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    bias: &[f32],
+    w: &[f64],
+    z: &[f64],
+    out: &[f32],
+    per_entry: &[&[f32]],
+) -> Result<(), KernelError> {
+    let (nq, n) = (z.len(), bias.len());
+    let d = q.len() / nq.max(1);
+    check(
+        q.len() == nq * d
+            && keys.len() == n * d
+            && values.len() == n * d
+            && w.len() == nq * n
+            && out.len() == nq * d
+            && per_entry.iter().all(|a| a.len() == nq * n),
+        op,
+        || format!("shapes do not match (nq={nq}, n={n}, d={d})"),
+    )
 }
 
 pub(crate) fn check(
