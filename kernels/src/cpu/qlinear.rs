@@ -664,14 +664,42 @@ unsafe fn scale_min<S: Simd>(q: *const u8, j: usize) -> (f32, f32) {
 /// Q4_K (144 B / 256): f16 d, dmin; u8 scales[12]; u8 qs[128]; sub-block s
 /// of 32: w = (d·sc_s)·q − dmin·m_s; qs[32j ..] holds sub-blocks 2j (low
 /// nibbles) and 2j + 1 (high).
+///
+/// Q5_K (176 B / 256): as Q4_K with u8 qh[32] before qs: the fifth bit of
+/// element l of sub-block 2j is bit 2j of qh[l], of sub-block 2j + 1 bit 2j + 1.
+/// One kernel for both (`K5`: Q5_K), so the two share one summation order.
 #[inline(always)]
-unsafe fn dot_q4_k<S: Simd>(row: *const u8, nb: usize, x: *const f32, xs: *const f32) -> f32 {
-    let m15 = S::isplat(15);
+unsafe fn dot_q45_k<S: Simd, const K5: bool>(
+    row: *const u8,
+    nb: usize,
+    x: *const f32,
+    xs: *const f32,
+) -> f32 {
+    let (m15, one) = (S::isplat(15), S::isplat(1));
+    let (block, qs_at) = if K5 { (176, 48) } else { (144, 16) };
     let (mut acc, mut accm) = (S::zero(), S::zero());
     for b in 0..nb {
-        let p = row.add(144 * b);
+        let p = row.add(block * b);
         let (d, dmin) = (f16_at::<S>(p), f16_at::<S>(p.add(2)));
-        let (sc, qs) = (p.add(4), p.add(16));
+        let (sc, qh, qs) = (p.add(4), p.add(16), p.add(qs_at));
+        let h = if K5 {
+            [
+                S::u8x8(qh),
+                S::u8x8(qh.add(8)),
+                S::u8x8(qh.add(16)),
+                S::u8x8(qh.add(24)),
+            ]
+        } else {
+            [S::isplat(0); 4]
+        };
+        // the fifth bit (Q5_K) of sub-block 2j + r, r = 0, 1
+        let fifth = |v: S::I, hv: S::I, s: usize| {
+            if K5 {
+                S::ior(v, bit::<S>(hv, s as u32, one))
+            } else {
+                v
+            }
+        };
         for j in 0..4 {
             let (s1, m1) = scale_min::<S>(sc, 2 * j);
             let (s2, m2) = scale_min::<S>(sc, 2 * j + 1);
@@ -683,20 +711,10 @@ unsafe fn dot_q4_k<S: Simd>(row: *const u8, nb: usize, x: *const f32, xs: *const
                 S::u8x8(q.add(24)),
             ];
             let g = 8 * b + 2 * j; // group of 32 within the row
-            let lo = [
-                S::iand(a[0], m15),
-                S::iand(a[1], m15),
-                S::iand(a[2], m15),
-                S::iand(a[3], m15),
-            ];
+            let lo: [S::I; 4] = std::array::from_fn(|i| fifth(S::iand(a[i], m15), h[i], 2 * j));
             acc = S::fma(S::splat(d * s1), dot4::<S>(lo, x.add(32 * g)), acc);
             accm = S::fma(S::splat(-(dmin * m1)), S::load(xs.add(8 * g)), accm);
-            let hi = [
-                S::ishr(a[0], 4),
-                S::ishr(a[1], 4),
-                S::ishr(a[2], 4),
-                S::ishr(a[3], 4),
-            ];
+            let hi: [S::I; 4] = std::array::from_fn(|i| fifth(S::ishr(a[i], 4), h[i], 2 * j + 1));
             acc = S::fma(S::splat(d * s2), dot4::<S>(hi, x.add(32 * g + 32)), acc);
             accm = S::fma(S::splat(-(dmin * m2)), S::load(xs.add(8 * g + 8)), accm);
         }
@@ -704,53 +722,14 @@ unsafe fn dot_q4_k<S: Simd>(row: *const u8, nb: usize, x: *const f32, xs: *const
     S::hsum(S::add(acc, accm))
 }
 
-/// Q5_K (176 B / 256): as Q4_K with u8 qh[32] before qs: the fifth bit of
-/// element l of sub-block 2j is bit 2j of qh[l], of sub-block 2j + 1 bit 2j + 1.
+#[inline(always)]
+unsafe fn dot_q4_k<S: Simd>(row: *const u8, nb: usize, x: *const f32, xs: *const f32) -> f32 {
+    dot_q45_k::<S, false>(row, nb, x, xs)
+}
+
 #[inline(always)]
 unsafe fn dot_q5_k<S: Simd>(row: *const u8, nb: usize, x: *const f32, xs: *const f32) -> f32 {
-    let (m15, one) = (S::isplat(15), S::isplat(1));
-    let (mut acc, mut accm) = (S::zero(), S::zero());
-    for b in 0..nb {
-        let p = row.add(176 * b);
-        let (d, dmin) = (f16_at::<S>(p), f16_at::<S>(p.add(2)));
-        let (sc, qh, qs) = (p.add(4), p.add(16), p.add(48));
-        let h = [
-            S::u8x8(qh),
-            S::u8x8(qh.add(8)),
-            S::u8x8(qh.add(16)),
-            S::u8x8(qh.add(24)),
-        ];
-        for j in 0..4 {
-            let (s1, m1) = scale_min::<S>(sc, 2 * j);
-            let (s2, m2) = scale_min::<S>(sc, 2 * j + 1);
-            let q = qs.add(32 * j);
-            let a = [
-                S::u8x8(q),
-                S::u8x8(q.add(8)),
-                S::u8x8(q.add(16)),
-                S::u8x8(q.add(24)),
-            ];
-            let g = 8 * b + 2 * j;
-            let (b1, b2) = (2 * j as u32, 2 * j as u32 + 1);
-            let lo = [
-                S::ior(S::iand(a[0], m15), bit::<S>(h[0], b1, one)),
-                S::ior(S::iand(a[1], m15), bit::<S>(h[1], b1, one)),
-                S::ior(S::iand(a[2], m15), bit::<S>(h[2], b1, one)),
-                S::ior(S::iand(a[3], m15), bit::<S>(h[3], b1, one)),
-            ];
-            acc = S::fma(S::splat(d * s1), dot4::<S>(lo, x.add(32 * g)), acc);
-            accm = S::fma(S::splat(-(dmin * m1)), S::load(xs.add(8 * g)), accm);
-            let hi = [
-                S::ior(S::ishr(a[0], 4), bit::<S>(h[0], b2, one)),
-                S::ior(S::ishr(a[1], 4), bit::<S>(h[1], b2, one)),
-                S::ior(S::ishr(a[2], 4), bit::<S>(h[2], b2, one)),
-                S::ior(S::ishr(a[3], 4), bit::<S>(h[3], b2, one)),
-            ];
-            acc = S::fma(S::splat(d * s2), dot4::<S>(hi, x.add(32 * g + 32)), acc);
-            accm = S::fma(S::splat(-(dmin * m2)), S::load(xs.add(8 * g + 8)), accm);
-        }
-    }
-    S::hsum(S::add(acc, accm))
+    dot_q45_k::<S, true>(row, nb, x, xs)
 }
 
 /// Bit `s` of each lane, as 16 or 0.
