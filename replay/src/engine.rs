@@ -260,7 +260,7 @@ pub fn check_reads_of(
     budget: Budget,
 ) -> Result<(), ReplayError> {
     let p = m.prompt_len();
-    let b = budget.resolve(p)?;
+    let b = crate::policy::cache_budget(policy, budget.resolve(p)?, m.model.n_heads / m.model.n_kv_heads);
     let (need, have) = (policy.prompt_queries(p, b).min(p), p - m.query_start());
     if need > have {
         let spec = policy.name();
@@ -865,10 +865,12 @@ impl<'t> TraceReplay<'t> {
         let m = &self.trace.manifest;
         check_reads(self.trace, policy, budget)?;
         let b = budget.resolve(m.prompt_len())?;
+        // entries per cache (B, or ⌊B/G⌋ for query-head caches sharing a KV head's)
+        let cb = crate::policy::cache_budget(policy, b, m.model.n_heads / m.model.n_kv_heads);
         let sliding: Vec<bool> = (0..self.trace.n_layers())
             .map(|l| m.model.window(l).is_some())
             .collect();
-        let groups = replay_groups(policy, &sliding, b, m.prompt_len());
+        let groups = replay_groups(policy, &sliding, cb, m.prompt_len());
         let results = groups
             .par_iter()
             .map(|group| {
@@ -877,7 +879,7 @@ impl<'t> TraceReplay<'t> {
                 Ok(group
                     .iter()
                     .copied()
-                    .zip(replay_group_refs(&refs, policy, b)?)
+                    .zip(replay_group_refs(&refs, policy, cb)?)
                     .collect::<Vec<_>>())
             })
             .collect::<Result<Vec<_>, ReplayError>>()?;

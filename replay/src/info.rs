@@ -83,6 +83,23 @@ pub enum Phase {
     AsScorer,
 }
 
+/// How much a policy holds at `--budget B`, under its defaults: the bound
+/// is B f16 entries' bytes (B·2·d·16 bits) per KV head and layer, summed
+/// over layers and heads (a policy that moves budget between layers or
+/// heads meets it in total), with the decode entries a cache appends on top
+/// (once per cache: G times per KV head with one cache per query head).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Memory {
+    /// Within the bound.
+    Budget,
+    /// Within the bound plus metadata stored beside the entries, at most
+    /// `share` of the bound (e.g. EMS's per-slot norms and indices): what it is.
+    Metadata { share: f64, what: &'static str },
+    /// Not set by B, and why (a fixed precision, layers or heads left whole,
+    /// positions kept at low precision instead of dropped).
+    Beyond(&'static str),
+}
+
 /// What a policy does, as `kvreplay policies`, the tests and SEMANTICS.md
 /// need to know it.
 #[derive(Clone, Copy, Debug)]
@@ -103,6 +120,8 @@ pub struct Caps {
     /// The cache equals the uncompressed one when the budget covers the
     /// trace (false: entries are re-expressed whatever the budget).
     pub exact_when_covering: bool,
+    /// How the policy's bytes relate to `--budget B` (a registry test checks it).
+    pub memory: Memory,
     /// `None`: the published rule as its paper or reference code states it.
     /// `Some(how)`: what kvreplay approximates, and why (the method's page
     /// says more).
@@ -120,6 +139,7 @@ impl Caps {
         per_query_head: false,
         holds_capacity: false,
         exact_when_covering: true,
+        memory: Memory::Budget,
         approximation: None,
     };
     /// A decode-time eviction policy (`decode_evict=false`: prefill only).

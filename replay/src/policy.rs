@@ -473,6 +473,16 @@ pub trait Policy: Send + Sync {
         false
     }
 
+    /// Caches that share one KV head's budget: the group size G when the
+    /// policy keeps one cache per query head and counts `--budget` per KV
+    /// head (`budget_per=kv_head`, the default: B entries' memory per KV head
+    /// and layer, as every other policy), 1 otherwise. The engine and the
+    /// closed loop replay it at [`cache_budget`] = ⌊B / share⌋ entries per
+    /// cache. Wrappers say what their base says.
+    fn budget_share(&self, _group: usize) -> usize {
+        1
+    }
+
     /// Whether the policy also compresses sliding-window layers (the
     /// `+sliding` wrapper). By default a sliding layer keeps its window
     /// uncompressed: its cache is already bounded by W.
@@ -547,6 +557,36 @@ impl GroupDecodeState for PerLayer {
 pub trait DecodeState: Send {
     /// Called after each decode step's attention; may evict or merge entries.
     fn step(&mut self, ctx: &StepCtx, caches: &mut [HeadCache]);
+}
+
+/// The entries per cache that `--budget b` (per KV head and layer) gives
+/// `policy` on a model with `group` query heads per KV head: ⌊b / share⌋
+/// for a policy whose G query-head caches share a KV head's budget
+/// ([`Policy::budget_share`]), at least 1; b otherwise. `PrefillCtx::budget`,
+/// `prompt_queries` and `layer_groups` all see this figure.
+pub fn cache_budget(policy: &dyn Policy, b: usize, group: usize) -> usize {
+    (b / policy.budget_share(group).max(1)).max(1)
+}
+
+/// `budget_per`, the parameter of every policy that can keep one cache per
+/// query head: whether `--budget` counts per KV head (equal memory, the
+/// default) or per query-head cache (the old meaning: G× the memory).
+pub const BUDGET_PER: crate::params::ParamInfo = crate::params::ParamInfo {
+    name: "budget_per",
+    default: "kv_head",
+    kind: crate::params::Kind::Choice(&["kv_head", "query_head"]),
+    help: "with one cache per query head: kv_head = B entries' memory per KV head, ⌊B/G⌋ per query-head cache (equal memory with every policy); query_head = B per query-head cache (G× the memory)",
+};
+
+/// [`Policy::budget_share`] of a policy with one cache per query head when
+/// `per_query_head`, counting its budget per KV head unless
+/// `budget_per_cache` (`budget_per=query_head`).
+pub fn share_of(per_query_head: bool, budget_per_cache: bool, group: usize) -> usize {
+    if per_query_head && !budget_per_cache {
+        group
+    } else {
+        1
+    }
 }
 
 /// Decode-time no-op: decode entries are appended on top of the prompt budget.

@@ -83,6 +83,12 @@ pub trait Scorer: Send + Sync {
         false
     }
 
+    /// [`Policy::budget_share`] of the scorer's caches: G for per-query-head
+    /// caches that count `--budget` per KV head (`budget_per=kv_head`), else 1.
+    fn budget_share(&self, _group: usize) -> usize {
+        1
+    }
+
     /// A layer left uncompressed (KNorm's first layers).
     fn skip_layer(&self, _layer: usize) -> bool {
         false
@@ -334,6 +340,10 @@ impl TopK {
 impl Policy for TopK {
     fn name(&self) -> String {
         self.name.to_string()
+    }
+
+    fn budget_share(&self, group: usize) -> usize {
+        self.scorer.budget_share(group)
     }
 
     fn prompt_queries(&self, prompt_len: usize, budget: usize) -> usize {

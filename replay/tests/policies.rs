@@ -1437,3 +1437,95 @@ fn h2o_kvpress_preset_divides_column_sums_by_the_queries_that_see_them() {
     // the division is a prefill score: refused with decode-time eviction
     assert!(PolicySpec::parse("h2o:mean=true").unwrap().build().is_err());
 }
+
+/// Equal memory: at `--budget B`, every registered policy under its defaults
+/// (a wrapper composed onto `snapkv`, since alone it wraps the uncompressed
+/// cache), and every form with one cache per query head, holds at most the
+/// bytes of B f16 entries per KV head and layer, plus the decode entries
+/// appended to each cache (`Memory::Budget`), or plus the metadata it
+/// documents (`Memory::Metadata`), or it says why its memory is not set by B
+/// (`Memory::Beyond`). Shape: G = 3 query heads per KV head, so a
+/// per-query-head cache given B entries would hold 3x the bound; d = 64 as
+/// in the real models (EMS's per-slot metadata is relative to d).
+#[test]
+fn every_policy_holds_at_most_b_f16_entries_per_kv_head_or_says_why() {
+    use kvreplay_replay::policies::{Build, Memory};
+    let tmp = tempfile::tempdir().unwrap();
+    let (nl, nh, nkv, d, p, t) = (6, 6, 2, 64, 96, 104);
+    let layers: Vec<LayerData> = (0..nl)
+        .map(|l| {
+            let mut x = random_layer(40 + l as u64, nh, nkv, d, p, t);
+            (x.layer, x.n_layers) = (l, nl);
+            x
+        })
+        .collect();
+    let trace = kvreplay_traces::Trace::open(common::write_trace(tmp.path(), &layers)).unwrap();
+    let entry_bytes = HeadCache::exact_bits(d) / 8;
+    // the largest share of the bound over B: Budget 0, Metadata its share
+    let check = |spec: &str, memory: Memory| -> f64 {
+        let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
+        let mut worst = 0f64;
+        for b in [12, 24, 48, 90] {
+            let r = kvreplay_replay::replay(&trace, policy.as_ref(), kvreplay_replay::Budget::Entries(b))
+                .unwrap_or_else(|e| panic!("{spec} at B = {b}: {e}"));
+            // decode entries are appended to every cache: G copies per KV
+            // head where each query head has its own cache
+            let per_query = r.layers.iter().any(|l| l.retained.iter().any(|x| x.head >= nkv));
+            let appended = (t - p) * if per_query { nh / nkv } else { 1 };
+            let bound = (nl * nkv * (b + appended)) as u64 * entry_bytes;
+            let over = r.bytes() as f64 / bound as f64 - 1.0;
+            worst = worst.max(over);
+            let allowed = match memory {
+                Memory::Budget => 0.0,
+                Memory::Metadata { share, .. } => share,
+                Memory::Beyond(_) => f64::INFINITY,
+            };
+            assert!(
+                over <= allowed,
+                "{spec} at B = {b}: {} bytes, {:.2}% over {bound} (B f16 entries per KV head and layer, + decode); allowed {:.2}%",
+                r.bytes(),
+                100.0 * over,
+                100.0 * allowed
+            );
+        }
+        worst
+    };
+    let mut beyond = Vec::new();
+    for info in REGISTRY.iter() {
+        let spec = match info.build {
+            Build::Wrapper(_) => format!("snapkv+{}", info.name),
+            _ => info.name.to_string(),
+        };
+        let worst = check(&spec, info.caps.memory);
+        match info.caps.memory {
+            Memory::Beyond(why) => {
+                assert!(why.len() > 20, "{}: say why", info.name);
+                beyond.push(info.name);
+            }
+            Memory::Metadata { share, .. } => assert!(share < 0.1, "{}: {worst}", info.name),
+            Memory::Budget => {}
+        }
+    }
+    // one cache per query head: ⌊B/G⌋ each by default
+    for spec in [
+        "ahakv:gqa_mode=per_query_head",
+        "ahakv:gqa_mode=per_query_head,decode_evict=false",
+        "lazyeviction:per_query_head=true",
+        "triforce:per_query_head=true",
+        "adakv:scorer=ahakv,gqa_mode=per_query_head",
+        "cam:scorer=ahakv,gqa_mode=per_query_head",
+        "chunk:scorer=ahakv,gqa_mode=per_query_head",
+        "snapkv+think+quant",
+    ] {
+        check(spec, Memory::Budget);
+    }
+    check("ems:gqa_mode=per_kv_head", kvreplay_replay::policies::ems::INFO.caps.memory);
+    // the old meaning, kept as a parameter: B per query-head cache, G× the memory
+    let over = check("ahakv:gqa_mode=per_query_head,budget_per=query_head", Memory::Beyond("G×"));
+    assert!(over > 1.0, "{over}");
+    assert_eq!(
+        beyond,
+        ["full", "pyramidkv", "knorm", "minicache", "mikv", "mustafar", "zipcache", "gear", "kvquant", "retrieval_head", "razor", "simlayerkv"],
+        "which policies' memory is not set by the budget is deliberate"
+    );
+}

@@ -183,6 +183,8 @@ pub fn decode_compressed(
     let mut sessions = Vec::new();
     let mut at = vec![(0, 0); nl];
     let sliding: Vec<bool> = pre.layers.iter().map(|l| l.window.is_some()).collect();
+    // entries per cache, as replay counts them (⌊B/G⌋ for query-head caches)
+    let b = kvreplay_replay::policy::cache_budget(policy, b, nh / cfg.n_kv_heads);
     for g in replay_groups(policy, &sliding, b, pre.prompt_len) {
         let layers: Vec<&LayerData> = g.iter().map(|&l| &pre.layers[l]).collect();
         let session = Session::prefill_group(group_policy(policy, &layers)?, &layers, b)?;

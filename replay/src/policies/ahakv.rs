@@ -36,6 +36,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "min_gain", default: "0", kind: Kind::Float, help: "lower clamp of the step gain (0: uniform rows while c <= k)" },
         ParamInfo { name: "pool_refined", default: "false", kind: Kind::Bool, help: "also smooth the refined score with the same pool before selection" },
         ParamInfo { name: "gqa_mode", default: "per_kv_head", kind: Kind::Choice(&["per_kv_head", "per_query_head"]), help: "one cache per KV head (group-reduced scores) or per query head" },
+        crate::policy::BUDGET_PER,
         ParamInfo { name: "gqa_agg", default: "mean", kind: Kind::Choice(&["mean", "sum", "max"]), help: "reduction of the group's SG probabilities" },
         ParamInfo { name: "n_sink", default: "0", kind: Kind::Int, help: "extension: first positions always kept (paper: none)" },
         ParamInfo { name: "decode_evict", default: "true", kind: Kind::Bool, help: "hold B entries during decode" },
@@ -70,6 +71,8 @@ pub struct AhaKv {
     pub min_gain: f32,
     pub pool_refined: bool,
     pub per_query_head: bool,
+    /// `budget_per=query_head`: B entries per query-head cache (G× the memory).
+    pub budget_per_cache: bool,
     pub gqa_agg: Agg,
 }
 
@@ -90,6 +93,7 @@ impl Default for AhaKv {
             min_gain: 0.0,
             pool_refined: false,
             per_query_head: false,
+            budget_per_cache: false,
             gqa_agg: Agg::Mean,
         }
     }
@@ -124,6 +128,7 @@ impl AhaKv {
             min_gain: p.float("min_gain")? as f32,
             pool_refined: p.bool("pool_refined")?,
             per_query_head: p.word("gqa_mode") == "per_query_head",
+            budget_per_cache: p.word("budget_per") == "query_head",
             gqa_agg: p.choice("gqa_agg")?,
         })
     }
@@ -240,6 +245,9 @@ impl Scorer for AhaKv {
     }
     fn per_query_head(&self) -> bool {
         self.per_query_head
+    }
+    fn budget_share(&self, group: usize) -> usize {
+        crate::policy::share_of(self.per_query_head, self.budget_per_cache, group)
     }
     fn decode_evict(&self) -> bool {
         self.decode_evict

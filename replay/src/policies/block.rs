@@ -151,6 +151,9 @@ impl Scorer for Block {
     fn per_query_head(&self) -> bool {
         self.inner.per_query_head()
     }
+    fn budget_share(&self, group: usize) -> usize {
+        self.inner.budget_share(group)
+    }
     fn skip_layer(&self, layer: usize) -> bool {
         self.inner.skip_layer(layer)
     }

@@ -81,6 +81,10 @@ impl Chunk {
 }
 
 impl Policy for Chunk {
+    /// The scorer's caches share a KV head's budget as the scorer says.
+    fn budget_share(&self, group: usize) -> usize {
+        self.scorer.budget_share(group)
+    }
     fn name(&self) -> String {
         "chunk".into()
     }

@@ -72,6 +72,10 @@ pub fn kvpress_kept(n: usize, b: usize, p: usize) -> usize {
 }
 
 impl Policy for ChunkKv {
+    /// The scorer's caches share a KV head's budget as the scorer says.
+    fn budget_share(&self, group: usize) -> usize {
+        self.scorer.budget_share(group)
+    }
     fn name(&self) -> String {
         "chunkkv".into()
     }

@@ -114,6 +114,10 @@ pub struct Critical {
 }
 
 impl Policy for Critical {
+    /// The scorer's caches share a KV head's budget as the scorer says.
+    fn budget_share(&self, group: usize) -> usize {
+        self.scorer.budget_share(group)
+    }
     fn name(&self) -> String {
         if self.ada.is_some() {
             "criticaladakv"

@@ -171,6 +171,10 @@ impl Decoding {
 }
 
 impl Policy for Decoding {
+    /// Its base's caches, so its base's count.
+    fn budget_share(&self, group: usize) -> usize {
+        self.base.budget_share(group)
+    }
     fn name(&self) -> String {
         format!("{}+decoding", self.base.name())
     }

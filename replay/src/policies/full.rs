@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::cache::HeadCache;
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;
 
@@ -16,6 +16,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     caps: Caps {
         family: Family::Reference,
         phase: Phase::Prefill,
+        memory: Memory::Beyond("the reference: every prompt and decode entry, uncompressed"),
         ..Caps::EVICT_PREFILL
     },
     test: "full_has_zero_error_and_full_bytes",

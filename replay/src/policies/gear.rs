@@ -24,7 +24,7 @@
 use std::sync::Arc;
 
 use crate::cache::{HeadCache, F16_BITS};
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;
@@ -44,6 +44,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         family: Family::LowRank,
         phase: Phase::Prefill,
         quantises: true,
+        memory: Memory::Beyond("every position at a fixed precision plus low-rank and sparse corrections: its memory is set by them, not by B"),
         exact_when_covering: false,
         approximation: Some("exact truncated SVD of the residual where GEAR runs a few power iterations from a random start; the factors are charged as f16 but not rounded; prefill only (decode entries f16, GEAR's streaming buffer)"),
         ..Caps::EVICT_PREFILL

@@ -68,6 +68,10 @@ fn rope_of(ctx: &PrefillCtx) -> Result<RopeParams, ReplayError> {
 }
 
 impl Policy for KeyRerotation {
+    /// Its base's caches, so its base's count.
+    fn budget_share(&self, group: usize) -> usize {
+        self.base.budget_share(group)
+    }
     fn name(&self) -> String {
         format!("{}+keyrerotation", self.base.name())
     }

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Phase, PolicyInfo, Memory};
 use crate::params::{Kind, ParamInfo, Preset};
 use crate::scorer::KeyScorer;
 use kvreplay_kernels::cpu::l2_norm;
@@ -18,7 +18,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "decode_evict", default: "false", kind: Kind::Bool, help: "also hold B entries during decode" },
         ParamInfo { name: "preset", default: "paper", kind: Kind::Preset(PRESETS), help: "kvpress: NVIDIA kvpress 0.5.x KnormPress (sets the parameters not given)" },
     ],
-    caps: Caps { phase: Phase::PrefillByDefault, ..Caps::EVICT_PREFILL },
+    caps: Caps { phase: Phase::PrefillByDefault, memory: Memory::Beyond("the paper leaves layers 0 and 1 whole (skip_layers=0;1); skip_layers=none keeps B entries on every layer"), ..Caps::EVICT_PREFILL },
     test: "knorm_keeps_the_smallest_keys_and_skips_layers",
     build: Build::Scorer(|p| Ok(Arc::new(KeyScorer { score: knorm, skip_layers: p.int_list("skip_layers")?, decode_evict: p.bool("decode_evict")? }))),
 };

@@ -228,6 +228,10 @@ impl KvCrush {
 }
 
 impl Policy for KvCrush {
+    /// The scorer's caches share a KV head's budget as the scorer says.
+    fn budget_share(&self, group: usize) -> usize {
+        self.scorer.budget_share(group)
+    }
     fn name(&self) -> String {
         "kvcrush".into()
     }

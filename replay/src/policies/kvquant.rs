@@ -28,7 +28,7 @@
 use std::sync::Arc;
 
 use crate::cache::{HeadCache, F16_BITS};
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
 use crate::params::{Kind, ParamInfo};
 use crate::policies::mikv::f16r;
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
@@ -49,6 +49,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         family: Family::Quantisation,
         phase: Phase::Prefill,
         quantises: true,
+        memory: Memory::Beyond("every position at a fixed precision (plus dense-and-sparse outliers): its memory is set by the bit width, not by B"),
         exact_when_covering: false,
         approximation: Some("codebooks by plain k-means on the prompt's own normalised entries (the paper: Fisher-information-weighted k-means on calibration data, offline); per-KV-head codebooks; outliers by magnitude over the head's matrix, not calibrated per-vector thresholds; prefill only"),
         ..Caps::EVICT_PREFILL

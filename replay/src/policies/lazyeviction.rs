@@ -57,6 +57,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "score", default: "official", kind: Kind::Choice(&["official", "ratio"]), help: "official: 2σ(−(1 + silence/(MRI + 1e-5))) + [MRI > 0]·2σ(−(MRI − 1)); ratio: −silence/(MRI + 1)" },
         ParamInfo { name: "rows", default: "128", kind: Kind::IntOr("all"), help: "the last prompt rows observed as steps at prefill (our extension; `all` = every prompt query; 128 fits a lean trace)" },
         ParamInfo { name: "per_query_head", default: "false", kind: Kind::Bool, help: "one cache per query head (the official repeat_kv layout) instead of one per KV head ranked by the group's mean importance" },
+        crate::policy::BUDGET_PER,
         ParamInfo { name: "decode_evict", default: "true", kind: Kind::Bool, help: "hold B entries during decode (false = prefill only)" },
     ],
     caps: Caps {
@@ -80,6 +81,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
             ratio: p.word("score") == "ratio",
             rows,
             per_query_head: p.bool("per_query_head")?,
+            budget_per_cache: p.word("budget_per") == "query_head",
             decode_evict: p.bool("decode_evict")?,
         }))
     }),
@@ -96,6 +98,8 @@ pub struct LazyEviction {
     /// Prompt rows observed at prefill (None: all).
     pub rows: Option<usize>,
     pub per_query_head: bool,
+    /// `budget_per=query_head`: B entries per query-head cache (G× the memory).
+    pub budget_per_cache: bool,
     pub decode_evict: bool,
 }
 
@@ -225,6 +229,9 @@ impl Scorer for LazyEviction {
     }
     fn per_query_head(&self) -> bool {
         self.per_query_head
+    }
+    fn budget_share(&self, group: usize) -> usize {
+        crate::policy::share_of(self.per_query_head, self.budget_per_cache, group)
     }
     fn decode_evict(&self) -> bool {
         self.decode_evict

@@ -21,7 +21,7 @@
 use std::sync::Arc;
 
 use crate::cache::{HeadCache, F16_BITS};
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
 use crate::scorer::TopK;
@@ -45,6 +45,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         family: Family::Quantisation,
         phase: Phase::Prefill,
         quantises: true,
+        memory: Memory::Beyond("it drops nothing: the B positions its scorer keeps at high precision, every other position at low precision"),
         exact_when_covering: false,
         approximation: Some("prefill only: the split is made once at the end of prefill and decode entries stay f16 (the paper re-splits as the scorer evicts during decode)"),
         ..Caps::EVICT_PREFILL

@@ -7,7 +7,7 @@
 //! sweep, the golden test and the checks of README/SEMANTICS read the
 //! registry; a test fails when the known-answer test it names is missing.
 
-pub use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
+pub use crate::info::{Build, Caps, Family, Memory, Phase, PolicyInfo};
 
 pub mod a2sf;
 pub mod adakv;
@@ -211,7 +211,7 @@ pub fn listing() -> String {
             (c.merges, "merges entries"),
             (c.quantises, "quantises"),
             (c.cross_layer, "shares across layers"),
-            (c.per_query_head, "one cache per query head"),
+            (c.per_query_head, "one cache per query head (⌊B/G⌋ entries each)"),
         ] {
             if on {
                 flags.push(what);
@@ -220,6 +220,15 @@ pub fn listing() -> String {
         let _ = writeln!(out, "{}{how}", p.name);
         let _ = writeln!(out, "    {}", p.summary);
         let _ = writeln!(out, "    {}; {fidelity}", flags.join("; "));
+        match c.memory {
+            Memory::Budget => {}
+            Memory::Metadata { what, .. } => {
+                let _ = writeln!(out, "    memory: B entries' bytes per KV head, plus {what}");
+            }
+            Memory::Beyond(why) => {
+                let _ = writeln!(out, "    memory: not set by B: {why}");
+            }
+        }
         let _ = writeln!(out, "    paper: {}", p.paper);
         for a in p.params {
             let _ = writeln!(

@@ -16,7 +16,7 @@
 use std::sync::Arc;
 
 use crate::cache::{HeadCache, F16_BITS};
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;
@@ -32,6 +32,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     caps: Caps {
         family: Family::LowRank,
         phase: Phase::Prefill,
+        memory: Memory::Beyond("a sparse store of every position at fixed sparsities: its memory is set by them, not by B"),
         exact_when_covering: false,
         approximation: Some("prefill only: decode entries stay dense (the reference code prunes each decode key as it leaves the window); keeps exactly d − ⌊s·d⌋ elements where the code's kthvalue threshold keeps one more"),
         ..Caps::EVICT_PREFILL

@@ -19,7 +19,7 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
 use crate::params::{Kind, ParamInfo, Preset};
 use crate::scorer::{Allocation, TopK};
 
@@ -33,7 +33,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "schedule", default: "factory", kind: Kind::Choice(&["factory", "kvpress"]), help: "factory: KVCache-Factory's integer schedule, w added to each layer; kvpress: PyramidKVPress's float schedule with w inside each layer's count, uniform when infeasible" },
         ParamInfo { name: "preset", default: "paper", kind: Kind::Preset(PRESETS), help: "kvpress: NVIDIA kvpress 0.5.x PyramidKVPress around the scorer's kvpress preset (sets the parameters not given)" },
     ],
-    caps: Caps { family: Family::Allocation, phase: Phase::AsScorer, ..Caps::EVICT_PREFILL },
+    caps: Caps { family: Family::Allocation, phase: Phase::AsScorer, memory: Memory::Beyond("the reference's pyramid steps between layers by ⌊(max − min)/(L − 1)⌋, which rounds the layers' counts up: their mean exceeds B by less than (L − 1)/2 entries per KV head"), ..Caps::EVICT_PREFILL },
     test: "pyramidkv_gives_every_scorer_per_layer_budgets",
     build: Build::ScorerWrapper {
         default_scorer: "snapkv",

@@ -186,6 +186,10 @@ struct QGroupState {
 }
 
 impl Policy for Quant {
+    /// Its base's caches, so its base's count.
+    fn budget_share(&self, group: usize) -> usize {
+        self.base.budget_share(group)
+    }
     fn name(&self) -> String {
         format!("{}+quant", self.base.name())
     }

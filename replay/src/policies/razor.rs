@@ -23,7 +23,7 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Family, PolicyInfo};
+use crate::info::{Build, Caps, Family, PolicyInfo, Memory};
 use crate::params::{Kind, ParamInfo};
 use crate::policies::retrieval_head::HeadSplit;
 
@@ -42,6 +42,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     caps: Caps {
         family: Family::Merging,
         merges: true,
+        memory: Memory::Beyond("the retrieval heads keep their whole cache; only the other heads keep B entries"),
         approximation: Some("ORACLE probe: induction (copy) and echo scores are measured on the replayed trace's own decode steps (the paper probes a repeated random-token sequence); the buffer is B − 1 − sinks entries instead of max(S0, N/C); prefill only"),
         ..Caps::EVICT_PREFILL
     },

@@ -33,7 +33,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::cache::{HeadCache, F16_BITS};
-use crate::info::{Build, Caps, Family, PolicyInfo};
+use crate::info::{Build, Caps, Family, PolicyInfo, Memory};
 use crate::params::{Kind, ParamInfo, Params};
 use crate::policy::{prefill_alone, DecodeState, GroupDecodeState, PerLayer, Policy, PrefillCtx};
 use crate::ReplayError;
@@ -51,6 +51,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
     caps: Caps {
         family: Family::Eviction,
         cross_layer: false,
+        memory: Memory::Beyond("the retrieval heads keep their whole cache; only the other heads keep B entries"),
         approximation: Some("ORACLE probe: retrieval scores are measured on the replayed trace's own decode steps and continuation (the paper probes a separate needle task); the head-level eviction is our construction from the paper's analysis"),
         ..Caps::EVICT_PREFILL
     },

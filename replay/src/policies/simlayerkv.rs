@@ -17,7 +17,7 @@
 use std::sync::Arc;
 
 use crate::cache::HeadCache;
-use crate::info::{Build, Caps, PolicyInfo};
+use crate::info::{Build, Caps, PolicyInfo, Memory};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;
@@ -32,6 +32,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "n_initial", default: "4", kind: Kind::Int, help: "sink positions a lazy layer keeps (kvpress n_initial)" },
     ],
     caps: Caps {
+        memory: Memory::Beyond("only lazy layers keep B entries; the others keep everything (the method's layer-level choice)"),
         approximation: Some("kvpress's fixed n_recent (1024) is replaced by the budget: a lazy layer keeps B entries (n_recent = B − n_initial + n_last); default lazy_threshold 0.9 (kvpress's recommendation for Llama 3) where kvpress's dataclass default 1.0 disables the press"),
         ..Caps::EVICT_PREFILL
     },

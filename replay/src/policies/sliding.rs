@@ -33,6 +33,10 @@ pub struct Sliding {
 }
 
 impl Policy for Sliding {
+    /// Its base's caches, so its base's count.
+    fn budget_share(&self, group: usize) -> usize {
+        self.base.budget_share(group)
+    }
     fn name(&self) -> String {
         format!("{}+sliding", self.base.name())
     }

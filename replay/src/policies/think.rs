@@ -110,6 +110,10 @@ impl Think {
 }
 
 impl Policy for Think {
+    /// Its base's caches, so its base's count.
+    fn budget_share(&self, group: usize) -> usize {
+        self.base.budget_share(group)
+    }
     fn name(&self) -> String {
         format!("{}+think", self.base.name())
     }

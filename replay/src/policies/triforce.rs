@@ -35,6 +35,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "chunk", default: "8", kind: Kind::Int, help: "chunk size c in positions (TriForce: 8)" },
         ParamInfo { name: "refresh", default: "1", kind: Kind::Int, help: "re-retrieve every this many decode steps (TriForce: once per verification round of gamma drafted tokens)" },
         ParamInfo { name: "per_query_head", default: "false", kind: Kind::Bool, help: "one retrieval cache per query head (TriForce's MHA form) instead of one per KV head scored by the group's summed logits" },
+        crate::policy::BUDGET_PER,
         ParamInfo { name: "decode_evict", default: "true", kind: Kind::Bool, help: "re-retrieve during decode holding B entries (false: retrieve once at prefill and append the decode entries)" },
     ],
     caps: Caps {
@@ -46,7 +47,13 @@ pub static INFO: PolicyInfo = PolicyInfo {
     build: Build::Policy(|p| {
         let chunk = p.int_positive("chunk", "must be at least 1")?;
         let refresh = p.int_positive("refresh", "must be at least 1")?;
-        Ok(Arc::new(TriForce { chunk, refresh, per_query_head: p.bool("per_query_head")?, decode_evict: p.bool("decode_evict")? }))
+        Ok(Arc::new(TriForce {
+            chunk,
+            refresh,
+            per_query_head: p.bool("per_query_head")?,
+            budget_per_cache: p.word("budget_per") == "query_head",
+            decode_evict: p.bool("decode_evict")?,
+        }))
     }),
 };
 
@@ -55,6 +62,8 @@ pub struct TriForce {
     pub chunk: usize,
     pub refresh: usize,
     pub per_query_head: bool,
+    /// `budget_per=query_head`: B entries per query-head cache (G× the memory).
+    pub budget_per_cache: bool,
     pub decode_evict: bool,
 }
 
@@ -122,6 +131,9 @@ fn take(ranking: &[usize], slots: usize) -> Vec<usize> {
 }
 
 impl Policy for TriForce {
+    fn budget_share(&self, group: usize) -> usize {
+        crate::policy::share_of(self.per_query_head, self.budget_per_cache, group)
+    }
     fn name(&self) -> String {
         "triforce".into()
     }

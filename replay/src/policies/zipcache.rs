@@ -19,7 +19,7 @@
 use std::sync::Arc;
 
 use crate::cache::{HeadCache, F16_BITS};
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
 use crate::params::{Kind, ParamInfo};
 use crate::policies::mikv::{f16r, quant_token};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
@@ -40,6 +40,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         family: Family::Quantisation,
         phase: Phase::Prefill,
         quantises: true,
+        memory: Memory::Beyond("it drops nothing: salient positions at high bits, every other position at low bits; its memory is set by the bit widths and the salient ratio"),
         exact_when_covering: false,
         approximation: Some("the exact normalised attention from every prompt row (the paper's default metric; its probe-query approximation is not implemented); each KV head quantised on its own where the reference code takes a token's min/max over all heads; prefill only, decode entries f16"),
         ..Caps::EVICT_PREFILL

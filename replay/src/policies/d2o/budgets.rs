@@ -97,6 +97,7 @@ mod tests {
             allocation: Allocation::InvVarSoftmax,
             protect_layers: false,
             per_query_head: false,
+            budget_per_cache: false,
             defer_first: false,
             shared_tau: false,
             fp16_scores: false,

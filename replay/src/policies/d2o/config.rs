@@ -84,6 +84,8 @@ pub struct D2o {
     pub protect_layers: bool,
     /// One cache per query head (the official code repeats K/V per query head).
     pub per_query_head: bool,
+    /// `budget_per=query_head`: B entries per query-head cache (G× the memory).
+    pub budget_per_cache: bool,
     /// First compression at decode step 1 with the first decode query's
     /// attention in the scores and budgets from P + 1 (official code).
     pub defer_first: bool,
@@ -119,6 +121,7 @@ impl D2o {
             allocation: p.choice("allocation")?,
             protect_layers: p.bool("protect_layers")?,
             per_query_head: false,
+            budget_per_cache: p.word("budget_per") == "query_head",
             defer_first: false,
             shared_tau: false,
             fp16_scores: false,

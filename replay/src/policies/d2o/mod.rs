@@ -52,6 +52,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "match_on", default: "keys", kind: Kind::Choice(&["keys", "values", "split"]), help: "similarity used to match evicted tokens: keys, values, or keys for the key half and values for the value half (own thresholds)" },
         ParamInfo { name: "allocation", default: "inv_var_softmax", kind: Kind::Choice(&["inv_var_softmax", "uniform", "reciprocal", "exp_decay", "inv_var_softmax_raw"]), help: "layer budget rule (Table 4 variants; uniform = without the layer operation)" },
         ParamInfo { name: "protect_layers", default: "false", kind: Kind::Bool, help: "official code: layers 0, 1 and L−1 are never compressed" },
+        crate::policy::BUDGET_PER,
     ],
     caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, holds_capacity: true, exact_when_covering: false, ..Caps::EVICT_PREFILL },
     test: "d2o_layer_budgets_follow_the_inverse_variance_softmax",
@@ -63,6 +64,10 @@ pub static INFO: PolicyInfo = PolicyInfo {
 impl Policy for D2o {
     fn name(&self) -> String {
         "d2o".into()
+    }
+    /// The code preset's per-query-head caches share their KV head's budget.
+    fn budget_share(&self, group: usize) -> usize {
+        crate::policy::share_of(self.per_query_head, self.budget_per_cache, group)
     }
     /// Reads keys, values and column sums only.
     fn prompt_queries(&self, _: usize, _: usize) -> usize {

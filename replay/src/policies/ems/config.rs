@@ -95,6 +95,8 @@ pub struct Ems {
     /// Similarity on post-RoPE keys (always so with `merge_space=post_rope`).
     pub sim_pos: bool,
     pub gqa_mode: GqaMode,
+    /// `budget_per=query_head`: B entries per query-head cache (G× the memory).
+    pub budget_per_cache: bool,
     pub merge_space: MergeSpace,
     pub demote_rank: DemoteRank,
     pub score: Score,
@@ -138,6 +140,7 @@ impl Ems {
             // with post-RoPE merging there are no raw keys to compare: similarity is positional
             sim_pos: p.bool("sim_pos")? || merge_space == MergeSpace::PostRope,
             gqa_mode: p.choice("gqa_mode")?,
+            budget_per_cache: p.word("budget_per") == "query_head",
             merge_space,
             demote_rank: p.choice("demote_rank")?,
             score: p.choice("score")?,

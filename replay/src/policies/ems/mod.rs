@@ -27,7 +27,7 @@ mod prefill;
 use std::sync::Arc;
 
 use crate::cache::HeadCache;
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;
@@ -47,13 +47,14 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "kernel", default: "7", kind: Kind::Int, help: "mean-pool width of the prefill ranking (odd)" },
         ParamInfo { name: "sim_pos", default: "false", kind: Kind::Bool, help: "similarity on post-RoPE keys (\"w. pos\") instead of raw keys" },
         ParamInfo { name: "gqa_mode", default: "per_query_head", kind: Kind::Choice(&["per_query_head", "per_kv_head"]), help: "one cache per query head (paper) or per KV head with group-mean attention" },
+        crate::policy::BUDGET_PER,
         ParamInfo { name: "merge_space", default: "raw", kind: Kind::Choice(&["raw", "post_rope"]), help: "merge un-rotated keys and re-rotate each member, or merge the captured keys" },
         ParamInfo { name: "demote_rank", default: "cluster_sum", kind: Kind::Choice(&["cluster_sum", "anchor_slot"]), help: "which centre is demoted at decode" },
         ParamInfo { name: "score", default: "global_local", kind: Kind::Choice(&["global_local", "global", "local"]), help: "Table 4 ablation of the score" },
         ParamInfo { name: "zero_class", default: "free", kind: Kind::Choice(&["free", "literal_zero"]), help: "evicted to-be-merged tokens: freed, or kept as zero key/value slots that still take softmax mass" },
         ParamInfo { name: "similarity", default: "key_value", kind: Kind::Choice(&["key_value", "key", "value"]), help: "Table 8 ablation of the redundancy measure" },
     ],
-    caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, per_query_head: true, holds_capacity: true, exact_when_covering: false, ..Caps::EVICT_PREFILL },
+    caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, per_query_head: true, holds_capacity: true, exact_when_covering: false, memory: Memory::Metadata { share: 0.06, what: "beside its N_budget entries (⌊B/G⌋ per query-head cache), each of up to γ·N_budget slots stores its key's f16 norm and its entry's index, 16 + ⌈log2(N_budget + 1)⌉ bits: at most 6% of the bound at d = 64, γ = 4, N_budget < 4096" }, ..Caps::EVICT_PREFILL },
     test: "ems_global_local_scores_pick_the_centres_and_weight_the_merge",
     build: Build::Policy(|p| {
         Ok(Arc::new(Ems::from_params(p)?))
@@ -63,6 +64,10 @@ pub static INFO: PolicyInfo = PolicyInfo {
 impl Policy for Ems {
     fn name(&self) -> String {
         "ems".into()
+    }
+    /// Per-query-head caches (the paper's layout) share their KV head's budget.
+    fn budget_share(&self, group: usize) -> usize {
+        crate::policy::share_of(self.per_query_head(), self.budget_per_cache, group)
     }
     /// The window's rows (s_loc).
     fn prompt_queries(&self, p: usize, b: usize) -> usize {

@@ -29,7 +29,7 @@ mod slerp;
 use std::sync::Arc;
 
 use crate::cache::HeadCache;
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo};
+use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{DecodeState, GroupDecodeState, Policy, PrefillCtx, StepCtx};
 use crate::ReplayError;
@@ -59,7 +59,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "merge_k", default: "true", kind: Kind::Bool, help: "merge keys" },
         ParamInfo { name: "merge_v", default: "true", kind: Kind::Bool, help: "merge values" },
     ],
-    caps: Caps { family: Family::CrossLayer, phase: Phase::Decode, merges: true, cross_layer: true, ..Caps::EVICT_PREFILL },
+    caps: Caps { family: Family::CrossLayer, phase: Phase::Decode, merges: true, cross_layer: true, memory: Memory::Beyond("it merges pairs of deep layers (from layer ⌊L·min(1, B/P)⌋ on) and keeps the shallower layers whole: about half the full cache at best, whatever B"), ..Caps::EVICT_PREFILL },
     test: "minicache_restores_retained_positions_exactly_and_merged_ones_from_norm_and_direction",
     build: Build::Policy(|p| {
         Ok(Arc::new(MiniCache::from_params(p)?))
