@@ -117,6 +117,23 @@ impl ReplayResult {
     pub fn full_bytes(&self) -> u64 {
         self.layers.iter().map(|l| l.full_bytes).sum()
     }
+    /// Per layer, the mean over query heads of the squared relative L2
+    /// error of the attention output (each head's rel_l2 is its mean over
+    /// decode steps): (n_layers,).
+    pub fn layer_sq_rel_l2(&self) -> Vec<f64> {
+        self.layers
+            .iter()
+            .map(|l| {
+                l.metrics.iter().map(|m| m.rel_l2 * m.rel_l2).sum::<f64>()
+                    / l.metrics.len().max(1) as f64
+            })
+            .collect()
+    }
+    /// The end-to-end KL the trace's depth-sensitivity profile predicts for
+    /// this replay (`Sensitivity::predict` of [`Self::layer_sq_rel_l2`]).
+    pub fn predicted_kl(&self, profile: &kvreplay_traces::Sensitivity) -> f64 {
+        profile.predict(&self.layer_sq_rel_l2())
+    }
 }
 
 /// The kernels' RoPE parameters for a trace's manifest entry.
@@ -260,7 +277,11 @@ pub fn check_reads_of(
     budget: Budget,
 ) -> Result<(), ReplayError> {
     let p = m.prompt_len();
-    let b = crate::policy::cache_budget(policy, budget.resolve(p)?, m.model.n_heads / m.model.n_kv_heads);
+    let b = crate::policy::cache_budget(
+        policy,
+        budget.resolve(p)?,
+        m.model.n_heads / m.model.n_kv_heads,
+    );
     let (need, have) = (policy.prompt_queries(p, b).min(p), p - m.query_start());
     if need > have {
         let spec = policy.name();

@@ -13,6 +13,7 @@
 mod error;
 mod manifest;
 mod reader;
+mod sensitivity;
 mod verify;
 mod writer;
 
@@ -22,6 +23,7 @@ pub use manifest::{
     RopeScaling, RopeStyle, SourceFile, Span, Tokens, FORMAT_NAME, FORMAT_VERSION,
 };
 pub use reader::{parse_layer_header, HeadView, LayerView, Reads, TensorIndex, Trace};
+pub use sensitivity::{Sensitivity, SENSITIVITY_FILE, SENSITIVITY_FORMAT};
 pub use verify::{verify, VerifyOptions, VerifyReport};
 pub use writer::{LayerWriter, TensorKind, TraceLayout, TraceWriter};
 
