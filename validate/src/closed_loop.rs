@@ -121,6 +121,46 @@ pub struct Decoded {
     /// logits[i]: after feeding tokens[i] at position P + i.
     pub logits: Vec<Vec<f32>>,
     pub tokens: Vec<u32>,
+    /// What the closed loop measured inside the forward pass (empty for
+    /// [`decode_full`]).
+    pub in_loop: InLoop,
+}
+
+/// Statistics of a closed-loop decode taken inside the forward pass, with
+/// the queries the compressed model really computed (not the trace's).
+#[derive(Clone, Debug, Default)]
+pub struct InLoop {
+    /// Per (layer, query head): Σ over steps of ‖o − o_full‖ / ‖o_full‖,
+    /// o_full the attention of the same query over the uncompressed cache
+    /// (the compressed model's own keys and values): replay's rel_l2
+    /// without teacher forcing.
+    pub rel_l2: Vec<Vec<f64>>,
+    /// Per (layer, query head): Σ over steps of ‖q − q_ref‖ / ‖q_ref‖
+    /// against the reference run's queries (query drift), when given.
+    pub drift: Vec<Vec<f64>>,
+    /// Per step, per layer: the queries (n_heads · head_dim).
+    pub queries: Vec<Vec<Vec<f32>>>,
+    pub steps: usize,
+}
+
+impl InLoop {
+    /// Mean over layers, heads and steps of one of the sums.
+    pub fn mean(sums: &[Vec<f64>], steps: usize) -> f64 {
+        let n: usize = sums.iter().map(|l| l.len()).sum();
+        sums.iter().flatten().sum::<f64>() / (n * steps).max(1) as f64
+    }
+    /// Per layer, the mean over heads of the squared per-head mean (over
+    /// steps) of `sums`: the input of `Sensitivity::predict`.
+    pub fn layer_sq(sums: &[Vec<f64>], steps: usize) -> Vec<f64> {
+        sums.iter()
+            .map(|l| {
+                l.iter()
+                    .map(|x| (x / steps.max(1) as f64).powi(2))
+                    .sum::<f64>()
+                    / l.len().max(1) as f64
+            })
+            .collect()
+    }
 }
 
 /// Decode `n` tokens after `pre` with full attention (no policy): the reference.
@@ -135,6 +175,7 @@ pub fn decode_full(
     let mut out = Decoded {
         logits: Vec::new(),
         tokens: Vec::new(),
+        in_loop: InLoop::default(),
     };
     let mut last = pre.logits.clone();
     for i in 0..n {
@@ -176,6 +217,64 @@ pub fn decode_compressed(
     n: usize,
     feed: Feed,
 ) -> Result<Decoded, ValidateError> {
+    decode_with(model, pre, policy, b, cont, n, feed, None, None)
+}
+
+/// A perturbation of one layer's attention outputs at every decode step:
+/// each head's output o gets ε·‖o‖·u added, u a unit vector drawn per
+/// (step, head) from `seed` (Gaussian components, normalised).
+#[derive(Clone, Copy, Debug)]
+pub struct Perturb {
+    pub layer: usize,
+    pub eps: f64,
+    pub seed: u64,
+}
+
+impl Perturb {
+    /// Add the perturbation of decode step `step`, head `h` to `o` (d,).
+    fn apply(&self, step: usize, h: usize, o: &mut [f32]) {
+        let mut x = self
+            .seed
+            .wrapping_add(((self.layer as u64) << 40) ^ ((step as u64) << 20) ^ h as u64)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            | 1;
+        let mut uniform = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        // Box-Muller: Gaussian components, so u is uniform on the sphere
+        let u: Vec<f64> = (0..o.len())
+            .map(|_| {
+                let (a, b) = (uniform(), uniform());
+                (-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos()
+            })
+            .collect();
+        let un = u.iter().map(|v| v * v).sum::<f64>().sqrt();
+        let on = o.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+        for (v, g) in o.iter_mut().zip(&u) {
+            *v += (self.eps * on * g / un) as f32;
+        }
+    }
+}
+
+/// [`decode_compressed`], with one layer's attention outputs perturbed
+/// (`perturb`) after the policy's cache has produced them, and the query
+/// drift measured against `reference` (per step, per layer, the queries of
+/// the uncompressed run: its `in_loop.queries`).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_with(
+    model: &Model,
+    pre: &Prefilled,
+    policy: &dyn Policy,
+    b: usize,
+    cont: &[u32],
+    n: usize,
+    feed: Feed,
+    perturb: Option<Perturb>,
+    reference: Option<&[Vec<Vec<f32>>]>,
+) -> Result<Decoded, ValidateError> {
     let cfg = &model.llama.cfg;
     let (nl, nh, d) = (cfg.n_layers, cfg.n_heads, cfg.head_dim);
     // The replay loop, over every layer of the live model: one session per
@@ -193,10 +292,22 @@ pub fn decode_compressed(
         }
         sessions.push((g, session));
     }
+    // every layer uncompressed, for the in-loop error of the same query
+    static FULL: kvreplay_replay::policies::full::Full = kvreplay_replay::policies::full::Full;
+    let mut full: Vec<Session> = (0..nl)
+        .map(|l| Session::prefill_group(&FULL, &[&pre.layers[l]], b))
+        .collect::<Result<_, _>>()?;
+    let mut in_loop = InLoop {
+        rel_l2: vec![vec![0.0; nh]; nl],
+        drift: vec![vec![0.0; nh]; nl],
+        queries: Vec::new(),
+        steps: n,
+    };
     let mut kv = pre.cache.clone();
     let mut out = Decoded {
         logits: Vec::new(),
         tokens: Vec::new(),
+        in_loop: InLoop::default(),
     };
     let mut last = pre.logits.clone();
     for i in 0..n {
@@ -207,6 +318,8 @@ pub fn decode_compressed(
         {
             let sessions = &mut sessions;
             let (probs, queries, at) = (&mut probs, &mut queries, &at);
+            let (full, il) = (&mut full, &mut in_loop);
+            let mut o_full = vec![0f32; d];
             let mut attend = |l: usize,
                               q: &[f32],
                               k: &[f32],
@@ -219,8 +332,12 @@ pub fn decode_compressed(
                     (&k[g * d..(g + 1) * d], &v[g * d..(g + 1) * d])
                 });
                 let window = pre.layers[l].window;
+                full[l].append(0, pos, |g| (&k[g * d..(g + 1) * d], &v[g * d..(g + 1) * d]));
                 for h in 0..nh {
                     let cache = &session.caches(li)[session.cache_of(li, h)];
+                    let qh = &q[h * d..(h + 1) * d];
+                    let fc = &full[l].caches(0)[full[l].cache_of(0, h)];
+                    attend_head(qh, fc, cfg.attn_scale, (pos, window), &mut o_full);
                     probs[l][h] = attend_head(
                         &q[h * d..(h + 1) * d],
                         cache,
@@ -228,6 +345,13 @@ pub fn decode_compressed(
                         (pos, window),
                         &mut o[h * d..(h + 1) * d],
                     );
+                    if let Some(pt) = perturb.filter(|pt| pt.layer == l) {
+                        pt.apply(i, h, &mut o[h * d..(h + 1) * d]);
+                    }
+                    il.rel_l2[l][h] += rel_diff(&o[h * d..(h + 1) * d], &o_full);
+                    if let Some(r) = reference {
+                        il.drift[l][h] += rel_diff(qh, &r[i][l][h * d..(h + 1) * d]);
+                    }
                 }
                 queries[l] = q.to_vec();
                 Ok(())
@@ -247,10 +371,26 @@ pub fn decode_compressed(
                 .collect();
             session.step(pos, &p, &qs);
         }
+        in_loop.queries.push(queries);
         out.tokens.push(tok);
         out.logits.push(last.clone());
     }
+    out.in_loop = in_loop;
     Ok(out)
+}
+
+/// ‖a − b‖ / ‖b‖ in f64 (0 when both are zero).
+fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        num += (*x as f64 - *y as f64).powi(2);
+        den += (*y as f64).powi(2);
+    }
+    if num == 0.0 {
+        0.0
+    } else {
+        (num / den.max(f64::MIN_POSITIVE)).sqrt()
+    }
 }
 
 /// Attention of one query at position `pos` over a cache into `o`; returns

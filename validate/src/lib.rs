@@ -14,6 +14,7 @@
 
 pub mod closed_loop;
 pub mod report;
+pub mod sensitivity;
 
 use std::path::Path;
 
@@ -45,6 +46,8 @@ pub enum ValidateError {
 pub struct Row {
     pub trace: String,
     pub policy: String,
+    /// The policy family (`kvreplay policies`) of the spec's base policy.
+    pub family: String,
     pub budget: usize,
     // end to end, teacher-forced on the trace's continuation
     pub e2e_kl: f64,
@@ -61,6 +64,19 @@ pub struct Row {
     pub replay_worst_layer_rel_l2: f64,
     pub replay_p95_rel_l2: f64,
     pub replay_depth_weighted_rel_l2: f64,
+    /// Σ_l s_l · mean_h rel_l2² with the trace's depth-sensitivity profile:
+    /// the predicted end-to-end KL.
+    pub replay_predicted_kl: f64,
+    // the closed loop's own statistics (not available to replay): how far
+    // teacher forcing is from the compressed model's real queries
+    /// Mean over layers, heads and steps of the attention-output error
+    /// measured inside the compressed run, with its own queries.
+    pub loop_rel_l2: f64,
+    /// The sensitivity-weighted prediction from those in-loop errors.
+    pub loop_predicted_kl: f64,
+    /// Mean relative L2 distance of the compressed run's queries from the
+    /// uncompressed run's (query drift).
+    pub query_drift: f64,
     // cost
     pub closed_loop_seconds: f64,
     pub replay_seconds: f64,
@@ -77,6 +93,20 @@ pub const PREDICTORS: &[(&str, Predictor)] = &[
     ("rel_l2 worst layer", |r| r.replay_worst_layer_rel_l2),
     ("rel_l2 p95 over heads", |r| r.replay_p95_rel_l2),
     ("rel_l2 depth-weighted", |r| r.replay_depth_weighted_rel_l2),
+    ("sensitivity-weighted rel_l2² (predicted KL)", |r| {
+        r.replay_predicted_kl
+    }),
+];
+
+/// The closed loop's own statistics, measured inside the compressed run:
+/// not predictors (replay cannot compute them), but how well they rank the
+/// points bounds what teacher-forced replay statistics of the same form can
+/// reach; the gap is the cost of teacher forcing (query drift).
+pub const IN_LOOP: &[(&str, Predictor)] = &[
+    ("in-loop rel_l2 (mean)", |r| r.loop_rel_l2),
+    ("in-loop sensitivity-weighted rel_l2²", |r| {
+        r.loop_predicted_kl
+    }),
 ];
 
 /// The statistics of one replay that are tried as predictors.
@@ -102,6 +132,19 @@ fn predictors(r: &ReplayResult, row: &mut Row) {
         .sum::<f64>()
         / wsum;
 }
+
+/// The family of a spec's base policy (the name before any `:` or `+`).
+pub fn family_of(spec: &str) -> &'static str {
+    let base = spec.split([':', '+']).next().unwrap_or(spec);
+    kvreplay_replay::REGISTRY
+        .iter()
+        .find(|i| i.name == base)
+        .map_or("external", |i| i.caps.family.name())
+}
+
+/// Families held out of the predictor's choice in the by-family split:
+/// merging within and across layers.
+pub const HELD_OUT_FAMILIES: &[&str] = &["merging", "cross-layer"];
 
 /// log Σ exp(x), max-shifted, in f64.
 fn log_sum_exp(x: &[f32]) -> f64 {
@@ -138,6 +181,32 @@ fn needle_digits(trace: &Trace, model: &Model) -> Option<String> {
         .map(String::from)
 }
 
+/// The trace must have been captured from `model`.
+fn check_model(trace: &Trace, trace_dir: &Path, model: &Model) -> Result<(), ValidateError> {
+    let m = &trace.manifest;
+    if m.model.source.sha256 != model.source.sha256 {
+        return Err(ValidateError::Input {
+            path: trace_dir.display().to_string(),
+            msg: format!(
+                "was captured from {} (sha256 {}), not from the model given ({}); pass the model the trace was captured with",
+                m.model.source.file_name, m.model.source.sha256, model.source.file_name
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The closed loop compares continuations: at least 2 decode tokens.
+fn check_decode(trace_dir: &Path, n: usize) -> Result<(), ValidateError> {
+    if n < 2 {
+        return Err(ValidateError::Input {
+            path: trace_dir.display().to_string(),
+            msg: "needs at least 2 decode tokens to compare continuations; capture it with --decode 16".into(),
+        });
+    }
+    Ok(())
+}
+
 /// Validate `specs` x `budgets` on `trace`, calling `progress(done, total, label)`.
 pub fn validate_trace(
     model: &Model,
@@ -152,26 +221,28 @@ pub fn validate_trace(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    if m.model.source.sha256 != model.source.sha256 {
-        return Err(ValidateError::Input {
-            path: trace_dir.display().to_string(),
-            msg: format!(
-                "was captured from {} (sha256 {}), not from the model given ({}); pass the model the trace was captured with",
-                m.model.source.file_name, m.model.source.sha256, model.source.file_name
-            ),
-        });
-    }
+    check_model(&trace, trace_dir, model)?;
     let (p, n) = (m.prompt_len(), m.generation.n_decode);
-    if n < 2 {
-        return Err(ValidateError::Input {
-            path: trace_dir.display().to_string(),
-            msg: "needs at least 2 decode tokens to compare continuations; capture it with --decode 16".into(),
-        });
-    }
+    check_decode(trace_dir, n)?;
+    let total = specs.len() * budgets.len();
     let ids = &m.tokens.ids;
     let cont = &ids[p..p + n];
     let pre = prefill(model, &ids[..p], p + n)?;
     let full = decode_full(model, &pre, cont, n, Feed::Teacher)?;
+    // the uncompressed run's queries, for the compressed runs' query drift
+    let reference = closed_loop::decode_with(
+        model,
+        &pre,
+        &kvreplay_replay::policies::full::Full,
+        p,
+        cont,
+        n,
+        Feed::Teacher,
+        None,
+        None,
+    )?
+    .in_loop
+    .queries;
     let full_ppl = (cont[1..]
         .iter()
         .zip(&full.logits)
@@ -180,7 +251,20 @@ pub fn validate_trace(
         / (n - 1) as f64)
         .exp();
     let needle = needle_digits(&trace, model);
-    let total = specs.len() * budgets.len();
+    // the trace's depth-sensitivity profile: stored with it, measured once
+    let profile = match kvreplay_traces::Sensitivity::read(trace_dir)? {
+        Some(s)
+            if s.model_sha256 == model.source.sha256 && s.per_layer.len() == m.model.n_layers =>
+        {
+            s
+        }
+        _ => {
+            let s = sensitivity::measure(model, &pre, &full, cont, Default::default(), &mut |l| {
+                progress(0, total, &format!("{name} sensitivity of layer {l}"))
+            })?;
+            sensitivity::store(&s, trace_dir)?
+        }
+    };
     let mut rows = Vec::new();
     // one replay of the trace for every point: its layers and reference are kept
     let replay = kvreplay_replay::TraceReplay::new(&trace, &Default::default())?;
@@ -189,16 +273,21 @@ pub fn validate_trace(
         for &b in budgets {
             progress(rows.len(), total, &format!("{name} {} B={b}", spec.short()));
             let t0 = std::time::Instant::now();
-            let tf = decode_compressed(model, &pre, policy.as_ref(), b, cont, n, Feed::Teacher)?;
+            let tf = closed_loop::decode_with(
+                model,
+                &pre,
+                policy.as_ref(),
+                b,
+                cont,
+                n,
+                Feed::Teacher,
+                None,
+                Some(&reference),
+            )?;
+            let il = &tf.in_loop;
             let fr = decode_compressed(model, &pre, policy.as_ref(), b, cont, n, Feed::Greedy)?;
             let closed_loop_seconds = t0.elapsed().as_secs_f64();
-            let kl = tf
-                .logits
-                .iter()
-                .zip(&full.logits)
-                .map(|(c, f)| kl_logits(f, c))
-                .sum::<f64>()
-                / n as f64;
+            let kl = sensitivity::mean_kl(&full, &tf);
             let argmax = |x: &[f32]| kvreplay_kernels::cpu::argmax(x);
             let top1 = tf
                 .logits
@@ -220,6 +309,7 @@ pub fn validate_trace(
             let mut row = Row {
                 trace: name.clone(),
                 policy: spec.short(),
+                family: family_of(&spec.short()).to_string(),
                 budget: b,
                 e2e_kl: kl,
                 e2e_top1: top1,
@@ -233,6 +323,11 @@ pub fn validate_trace(
                 replay_worst_layer_rel_l2: 0.0,
                 replay_p95_rel_l2: 0.0,
                 replay_depth_weighted_rel_l2: 0.0,
+                replay_predicted_kl: r.predicted_kl(&profile),
+                loop_rel_l2: closed_loop::InLoop::mean(&il.rel_l2, il.steps),
+                loop_predicted_kl: profile
+                    .predict(&closed_loop::InLoop::layer_sq(&il.rel_l2, il.steps)),
+                query_drift: closed_loop::InLoop::mean(&il.drift, il.steps),
                 closed_loop_seconds,
                 replay_seconds: t1.elapsed().as_secs_f64(),
             };

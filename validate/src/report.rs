@@ -19,6 +19,14 @@ pub struct Correlation {
     pub held_out: Option<f64>,
     /// Over the points of the traces the best predictor was chosen on.
     pub selection: Option<f64>,
+    /// Over the points of the policies outside the held-out families.
+    pub family_selection: Option<f64>,
+    /// Over the points of the held-out families (merging methods).
+    pub family_held_out: Option<f64>,
+    /// Area under the ROC curve of the predictor (lower = kept) for whether
+    /// free-running generation still contains the needle (None without
+    /// needle tasks or where every point agrees).
+    pub needle_auc: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -31,8 +39,18 @@ pub struct Summary {
     /// The predictor with the highest correlation on the selection traces
     /// (on all points with one trace).
     pub best: String,
+    /// The predictor with the highest correlation on the policies outside
+    /// the held-out families.
+    pub best_by_family: String,
+    pub held_out_families: Vec<String>,
     /// Points ranked far apart by replay rel_l2 and by end-to-end KL.
     pub disagreements: Vec<String>,
+    /// The closed loop's in-loop statistics ([`crate::IN_LOOP`]): Spearman
+    /// with the end-to-end KL on all points and the held-out traces.
+    pub in_loop: Vec<Correlation>,
+    /// Per policy family: (family, points, mean query drift, mean
+    /// end-to-end KL).
+    pub drift_by_family: Vec<(String, usize, f64, f64)>,
     pub closed_loop_seconds_per_point: f64,
     pub replay_seconds_per_point: f64,
 }
@@ -42,6 +60,25 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> ValidateError + '_ {
         path: path.display().to_string(),
         err,
     }
+}
+
+/// AUC of `score` (lower predicts a positive) for the labels: the share of
+/// (positive, negative) pairs the score orders right, ties counting half.
+pub fn auc(score: &[f64], positive: &[bool]) -> Option<f64> {
+    let r = ranks(&score.iter().map(|x| -x).collect::<Vec<_>>());
+    let np = positive.iter().filter(|p| **p).count() as f64;
+    let nn = positive.len() as f64 - np;
+    if np == 0.0 || nn == 0.0 {
+        return None;
+    }
+    // Mann-Whitney U from the positives' rank sum (ranks are 1-based, ties averaged)
+    let sum: f64 = r
+        .iter()
+        .zip(positive)
+        .filter(|(_, p)| **p)
+        .map(|(x, _)| x)
+        .sum();
+    Some((sum - np * (np + 1.0) / 2.0) / (np * nn))
 }
 
 fn rho(rows: &[&Row], f: fn(&Row) -> f64) -> f64 {
@@ -68,6 +105,12 @@ pub fn summarise(rows: &[Row]) -> Summary {
         rows.iter().filter(|r| names.contains(&r.trace)).collect()
     };
     let (sel_rows, held_rows) = (pick(&sel), pick(&held));
+    let (fam_held, fam_sel): (Vec<&Row>, Vec<&Row>) = rows
+        .iter()
+        .partition(|r| crate::HELD_OUT_FAMILIES.contains(&r.family.as_str()));
+    let by_family = !fam_held.is_empty() && !fam_sel.is_empty();
+    let needle: Vec<&Row> = rows.iter().filter(|r| r.needle_kept.is_some()).collect();
+    let kept: Vec<bool> = needle.iter().map(|r| r.needle_kept == Some(true)).collect();
     let correlations: Vec<Correlation> = PREDICTORS
         .iter()
         .map(|(name, f)| Correlation {
@@ -75,26 +118,36 @@ pub fn summarise(rows: &[Row]) -> Summary {
             all: rho(&all, *f),
             held_out: (!held_rows.is_empty()).then(|| rho(&held_rows, *f)),
             selection: (!held_rows.is_empty()).then(|| rho(&sel_rows, *f)),
+            family_selection: by_family.then(|| rho(&fam_sel, *f)),
+            family_held_out: by_family.then(|| rho(&fam_held, *f)),
+            needle_auc: auc(&needle.iter().map(|r| f(r)).collect::<Vec<_>>(), &kept),
         })
         .collect();
-    let score = |c: &Correlation| c.selection.unwrap_or(c.all);
-    let best = correlations
+    let best_of = |score: &dyn Fn(&Correlation) -> f64| {
+        correlations
+            .iter()
+            .filter(|c| score(c).is_finite())
+            .max_by(|a, b| kvreplay_replay::select::cmp_f64(score(a), score(b)))
+            .map(|c| c.predictor.clone())
+            .unwrap_or_default()
+    };
+    let best = best_of(&|c: &Correlation| c.selection.unwrap_or(c.all));
+    let best_by_family = best_of(&|c: &Correlation| c.family_selection.unwrap_or(c.all));
+    let best_fn = PREDICTORS
         .iter()
-        .filter(|c| score(c).is_finite())
-        .max_by(|a, b| kvreplay_replay::select::cmp_f64(score(a), score(b)))
-        .map(|c| c.predictor.clone())
-        .unwrap_or_default();
+        .find(|(n, _)| *n == best)
+        .map_or(PREDICTORS[0].1, |(_, f)| *f);
     let mut disagreements = Vec::new();
     for t in &traces {
         let tr: Vec<&Row> = rows.iter().filter(|r| &r.trace == t).collect();
-        let rx = ranks(&tr.iter().map(|r| r.replay_rel_l2).collect::<Vec<_>>());
+        let rx = ranks(&tr.iter().map(|r| best_fn(r)).collect::<Vec<_>>());
         let ry = ranks(&tr.iter().map(|r| r.e2e_kl).collect::<Vec<_>>());
         let n = tr.len() as f64;
         for (i, r) in tr.iter().enumerate() {
             let d = rx[i] - ry[i];
             if d.abs() > n / 3.0 {
                 disagreements.push(format!(
-                    "{} {} B={}: replay rel_l2 rank {:.0} of {n}, end-to-end KL rank {:.0} ({})",
+                    "{} {} B={}: replay rank {:.0} of {n}, end-to-end KL rank {:.0} ({})",
                     r.trace,
                     r.policy,
                     r.budget,
@@ -109,14 +162,50 @@ pub fn summarise(rows: &[Row]) -> Summary {
             }
         }
     }
+    let in_loop = crate::IN_LOOP
+        .iter()
+        .map(|(name, f)| Correlation {
+            predictor: name.to_string(),
+            all: rho(&all, *f),
+            held_out: (!held_rows.is_empty()).then(|| rho(&held_rows, *f)),
+            selection: (!held_rows.is_empty()).then(|| rho(&sel_rows, *f)),
+            family_selection: by_family.then(|| rho(&fam_sel, *f)),
+            family_held_out: by_family.then(|| rho(&fam_held, *f)),
+            needle_auc: auc(&needle.iter().map(|r| f(r)).collect::<Vec<_>>(), &kept),
+        })
+        .collect();
+    let mut families: Vec<String> = rows.iter().map(|r| r.family.clone()).collect();
+    families.sort();
+    families.dedup();
+    let drift_by_family = families
+        .into_iter()
+        .map(|f| {
+            let mine: Vec<&Row> = rows.iter().filter(|r| r.family == f).collect();
+            let k = mine.len().max(1) as f64;
+            let drift = mine.iter().map(|r| r.query_drift).sum::<f64>() / k;
+            let kl = mine.iter().map(|r| r.e2e_kl).sum::<f64>() / k;
+            (f, mine.len(), drift, kl)
+        })
+        .collect();
     let n = rows.len().max(1) as f64;
     Summary {
+        in_loop,
+        drift_by_family,
         points: rows.len(),
         traces,
         selection_traces: if held.is_empty() { Vec::new() } else { sel },
         held_out_traces: held,
         correlations,
         best,
+        best_by_family,
+        held_out_families: if by_family {
+            crate::HELD_OUT_FAMILIES
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+        } else {
+            Vec::new()
+        },
         disagreements,
         closed_loop_seconds_per_point: rows.iter().map(|r| r.closed_loop_seconds).sum::<f64>() / n,
         replay_seconds_per_point: rows.iter().map(|r| r.replay_seconds).sum::<f64>() / n,
@@ -181,11 +270,45 @@ pub fn write(out: &Path, rows: &[Row], command: &str) -> Result<Summary, Validat
             );
         }
     }
+    if !s.held_out_families.is_empty() {
+        md += &format!(
+            "\nHeld out by policy family: the predictor is chosen on the policies outside the {} families and scored on theirs. AUC: how well the predictor (lower = kept) separates the free-running points that still recover the pass key from those that do not.\n\n| predictor | other families | held-out families | needle AUC |\n|---|---|---|---|\n",
+            s.held_out_families.join(" and ")
+        );
+        for c in &s.correlations {
+            md += &format!(
+                "| {} | {:.3} | {:.3} | {} |\n",
+                c.predictor,
+                c.family_selection.unwrap_or(f64::NAN),
+                c.family_held_out.unwrap_or(f64::NAN),
+                c.needle_auc.map_or("-".into(), |a| format!("{a:.3}"))
+            );
+        }
+        md += &format!(
+            "\nBest predictor chosen without the held-out families: **{}**.\n",
+            s.best_by_family
+        );
+    }
     md += &format!(
         "\nBest predictor (chosen on the selection traces): **{}**.\n\n",
         s.best
     );
-    md += "Points where replay misleads (ranked more than a third of the points apart by replay rel_l2 and by end-to-end KL, within their trace):\n\n";
+    md += "What teacher forcing costs: the same statistics measured inside the compressed run, with the queries the compressed model really computed (replay cannot see them; they bound what replay statistics of this form can reach):\n\n| in-loop statistic | all points | held-out traces | held-out families |\n|---|---|---|---|\n";
+    for c in &s.in_loop {
+        md += &format!(
+            "| {} | {:.3} | {} | {} |\n",
+            c.predictor,
+            c.all,
+            c.held_out.map_or("-".into(), |x| format!("{x:.3}")),
+            c.family_held_out.map_or("-".into(), |x| format!("{x:.3}"))
+        );
+    }
+    md += "\nQuery drift (mean relative L2 distance of the compressed run's queries from the uncompressed run's, over layers, heads and decode steps) by policy family:\n\n| family | points | query drift | mean end-to-end KL |\n|---|---|---|---|\n";
+    for (f, k, drift, kl) in &s.drift_by_family {
+        md += &format!("| {f} | {k} | {drift:.4} | {kl:.4} |\n");
+    }
+    md += "\n";
+    md += "Points where replay misleads (ranked more than a third of the points apart by the best predictor and by end-to-end KL, within their trace):\n\n";
     if s.disagreements.is_empty() {
         md += "- none\n";
     }
@@ -246,4 +369,22 @@ fn scatter(path: &Path, rows: &[Row]) -> Result<(), Box<dyn std::error::Error>> 
         .draw()?;
     root.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::auc;
+
+    #[test]
+    fn auc_by_hand() {
+        // lower score predicts a positive
+        let s = [0.1, 0.2, 0.3, 0.4];
+        assert_eq!(auc(&s, &[true, true, false, false]), Some(1.0));
+        assert_eq!(auc(&s, &[false, false, true, true]), Some(0.0));
+        // pairs (0.1+, 0.2-) right, (0.3+, 0.2-) wrong, (0.1+, 0.4-) and (0.3+, 0.4-) right: 3/4
+        assert_eq!(auc(&s, &[true, false, true, false]), Some(0.75));
+        // a tie between a positive and a negative counts half
+        assert_eq!(auc(&[0.5, 0.5], &[true, false]), Some(0.5));
+        assert_eq!(auc(&s, &[true; 4]), None);
+    }
 }

@@ -298,3 +298,131 @@ fn validate_runs_on_a_sliding_window_model() {
     assert!(kl("streaming_llm+sliding") > 0.0, "{rows:?}");
     assert_ne!(kl("streaming_llm"), kl("streaming_llm+sliding"), "{rows:?}");
 }
+
+/// The depth-sensitivity profile on the tiny model: a zero perturbation is
+/// the uncompressed run bit for bit; every layer's sensitivity is finite and
+/// non-negative, some positive; the KL is second order in ε (halving ε
+/// quarters it, so KL/ε² agrees at ε = 0.02 and 0.04 within 10%); and the
+/// profile is stored with the trace, reused, and gives validate's
+/// `replay_predicted_kl` (0 for `full`, positive where replay has error).
+#[test]
+fn sensitivity_is_second_order_stored_with_the_trace_and_predicts() {
+    use kvreplay_validate::closed_loop::{decode_with, Perturb};
+    use kvreplay_validate::sensitivity::{for_trace, mean_kl, measure, Options};
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path());
+    let (prompt, cont) = tokens();
+    let pre = prefill(&m, &prompt, 30).unwrap();
+    let full = decode_full(&m, &pre, &cont, 6, Feed::Teacher).unwrap();
+    let policy = PolicySpec::parse("full").unwrap().build().unwrap();
+    let zero = Perturb {
+        layer: 1,
+        eps: 0.0,
+        seed: 7,
+    };
+    let same = decode_with(
+        &m,
+        &pre,
+        policy.as_ref(),
+        24,
+        &cont,
+        6,
+        Feed::Teacher,
+        Some(zero),
+        None,
+    )
+    .unwrap();
+    assert_eq!(bits(&same.logits), bits(&full.logits));
+    let at = |eps: f64| {
+        measure(
+            &m,
+            &pre,
+            &full,
+            &cont,
+            Options {
+                eps,
+                draws: 2,
+                seed: 3,
+            },
+            &mut |_| {},
+        )
+        .unwrap()
+    };
+    let (a, b) = (at(0.02), at(0.04));
+    assert_eq!(a.per_layer.len(), m.llama.cfg.n_layers);
+    assert!(
+        a.per_layer.iter().all(|s| s.is_finite() && *s >= 0.0),
+        "{:?}",
+        a.per_layer
+    );
+    assert!(a.per_layer.iter().any(|s| *s > 0.0), "{:?}", a.per_layer);
+    for (x, y) in a.per_layer.iter().zip(&b.per_layer) {
+        assert!(
+            (x - y).abs() <= 0.1 * x.max(*y),
+            "KL/ε² at ε = 0.02: {x}, at 0.04: {y}"
+        );
+    }
+    // one layer's KL is the profile's prediction for an error of ε on that layer alone
+    let one = Perturb {
+        layer: 0,
+        eps: 0.02,
+        seed: 3,
+    };
+    let run = decode_with(
+        &m,
+        &pre,
+        policy.as_ref(),
+        24,
+        &cont,
+        6,
+        Feed::Teacher,
+        Some(one),
+        None,
+    )
+    .unwrap();
+    let alone = mean_kl(&full, &run) / (0.02 * 0.02);
+    assert!(
+        alone > 0.0 && (alone / a.per_layer[0]).ln().abs() < 1.0,
+        "{alone} vs {}",
+        a.per_layer[0]
+    );
+
+    let trace = tmp.path().join("t.kvtrace");
+    let mut o = CaptureOptions::new("(tokens)", &trace);
+    o.prompt_ids = Some(prompt);
+    o.n_decode = 6;
+    capture(&m, &o, &mut |_| {}).unwrap();
+    let (s, measured) = for_trace(&m, &trace, Options::default(), false, &mut |_| {}).unwrap();
+    assert!(measured && trace.join("sensitivity.json").exists());
+    let (again, measured) = for_trace(&m, &trace, Options::default(), false, &mut |_| {}).unwrap();
+    assert!(!measured);
+    assert_eq!(again, s);
+    let specs: Vec<PolicySpec> = ["full", "streaming_llm"]
+        .iter()
+        .map(|x| PolicySpec::parse(x).unwrap())
+        .collect();
+    let rows =
+        kvreplay_validate::validate_trace(&m, &trace, &specs, &[8], &mut |_, _, _| {}).unwrap();
+    assert_eq!(rows[0].replay_predicted_kl, 0.0, "full");
+    // the uncompressed closed loop: no in-loop error, no query drift
+    assert_eq!(
+        (
+            rows[0].loop_rel_l2,
+            rows[0].query_drift,
+            rows[0].loop_predicted_kl
+        ),
+        (0.0, 0.0, 0.0)
+    );
+    assert!(
+        rows[1].loop_rel_l2 > 0.0 && rows[1].loop_predicted_kl > 0.0,
+        "{:?}",
+        rows[1]
+    );
+    assert!(
+        rows[1].replay_predicted_kl > 0.0 && rows[1].e2e_kl > 0.0,
+        "{:?}",
+        rows[1]
+    );
+    // the trace itself is still intact (the profile is beside the manifest's files)
+    kvreplay_traces::Trace::open(&trace).unwrap();
+}
