@@ -16,6 +16,7 @@ mod compare;
 mod inspect;
 mod policies;
 mod replay;
+mod sensitivity;
 mod slurm;
 mod sweep;
 mod validate;
@@ -29,6 +30,7 @@ use compare::{cmd_compare, CompareArgs};
 use inspect::{cmd_inspect, InspectArgs};
 use policies::cmd_policies;
 use replay::{cmd_replay, ReplayArgs};
+use sensitivity::{cmd_sensitivity, SensitivityArgs};
 use sweep::{cmd_sweep, SweepArgs};
 use validate::{cmd_validate, ValidateArgs};
 use verify::cmd_verify;
@@ -89,6 +91,8 @@ enum Cmd {
     Compare(CompareArgs),
     /// Closed loop: rerun the model with each policy inside the forward pass and check how well replay predicts it.
     Validate(ValidateArgs),
+    /// Measure how much each layer's attention error moves the model's output (a closed loop) and store it with the trace, so sweeps predict the end-to-end KL.
+    Sensitivity(SensitivityArgs),
     /// Benchmarks on the real model (see BENCHMARKS.md).
     #[command(subcommand)]
     Bench(BenchCmd),
@@ -130,6 +134,7 @@ pub fn run() -> Result<()> {
         Cmd::Sweep(a) => cmd_sweep(a),
         Cmd::Compare(a) => cmd_compare(a),
         Cmd::Validate(a) => cmd_validate(a),
+        Cmd::Sensitivity(a) => cmd_sensitivity(a),
         Cmd::Merge { shards, out } => {
             let r = kvreplay_analysis::sweep::merge(&shards, &out)
                 .with_context(|| format!("merging into {}", out.display()))?;
