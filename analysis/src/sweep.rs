@@ -355,6 +355,11 @@ pub struct SummaryRow {
     /// Share of the needle span's positions still represented, over layers
     /// and cache heads; empty when the trace has no `needle` span.
     pub needle_retention: Option<f64>,
+    /// The end-to-end KL predicted from the per-layer errors with the
+    /// trace's depth-sensitivity profile (`sensitivity.json`, written by
+    /// `kvreplay sensitivity` or `kvreplay validate`); empty without one.
+    #[serde(default)]
+    pub predicted_kl: Option<f64>,
     /// The policy spec with every default filled in.
     pub policy_spec: String,
 }
@@ -711,6 +716,18 @@ fn prepare(out: &Path, plan: &Plan) -> Result<Vec<String>, SweepError> {
     Ok(notices)
 }
 
+/// The trace's depth-sensitivity profile, when it has one measured with
+/// the trace's own model and layer count (a profile of another model is
+/// ignored; an unreadable one is an error naming the file).
+fn profile_of(trace: &Trace) -> Result<Option<kvreplay_traces::Sensitivity>, SweepError> {
+    let m = &trace.manifest;
+    Ok(kvreplay_traces::Sensitivity::read(trace.dir())
+        .map_err(ReplayError::from)?
+        .filter(|s| {
+            s.model_sha256 == m.model.source.sha256 && s.per_layer.len() == m.model.n_layers
+        }))
+}
+
 /// Run one point on `tr`, the replay of the point's trace (kept across the
 /// trace's points, so budget-independent work is done once per trace).
 fn run_point(plan: &Plan, p: &Point, tr: &TraceReplay) -> Result<PointResult, SweepError> {
@@ -780,6 +797,7 @@ fn run_point(plan: &Plan, p: &Point, tr: &TraceReplay) -> Result<PointResult, Sw
         bytes: r.bytes(),
         memory_ratio: r.bytes() as f64 / r.full_bytes() as f64,
         needle_retention: needle,
+        predicted_kl: profile_of(trace)?.map(|s| r.predicted_kl(&s)),
         policy_spec: plan.policies[p.policy].clone(),
     };
     let p_len = trace.manifest.prompt_len();

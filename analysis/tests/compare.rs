@@ -77,6 +77,7 @@ fn sweep_rows(dir: &Path, n_traces: usize, policies: &[&str], pts: &[(Pt, Vec<f6
                 bytes: 1000,
                 memory_ratio: memory,
                 needle_retention: None,
+                predicted_kl: None,
                 policy_spec: plan.policies[policy].clone(),
             },
             retention: vec![],

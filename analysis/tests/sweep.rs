@@ -874,3 +874,80 @@ fn shards_of_different_devices_are_not_merged() {
     let r = merge(&shards[..1], &merged).unwrap();
     assert!(!r.complete);
 }
+
+/// With a depth-sensitivity profile beside a trace's manifest, the summary's
+/// `predicted_kl` is Σ_l s_l · (mean over the layer's query heads of
+/// rel_l2²), recomputed here from results.csv's per-head rows (exact
+/// decimals: the CSV round trip is lossless; 1e-12 relative covers the
+/// summation order). A profile of another model is ignored (empty column).
+#[test]
+fn a_sensitivity_profile_gives_predicted_kl() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = write_trace(tmp.path(), "a.kvtrace", 1, 40, 46);
+    let b = write_trace(tmp.path(), "b.kvtrace", 2, 30, 34);
+    let sha = Manifest::read(&a).unwrap().model.source.sha256;
+    let profile = |sha: &str| Sensitivity {
+        format: SENSITIVITY_FORMAT.into(),
+        model_sha256: sha.into(),
+        eps: 0.2,
+        draws: 1,
+        decode_steps: 6,
+        per_layer: vec![0.25, 3.0],
+        scale: 2.0,
+        kvreplay_version: "test".into(),
+    };
+    profile(&sha).write(&a).unwrap();
+    profile("another model").write(&b).unwrap();
+    let plan = Plan::new(&[a, b], &["h2o".into(), "snapkv:w=4".into()], &[4, 8]).unwrap();
+    let out = tmp.path().join("out");
+    run(&plan, &out, None, &mut |_, _, _| {}).unwrap();
+    let mut rows = csv::Reader::from_path(out.join("results.csv")).unwrap();
+    let hdr = rows.headers().unwrap().clone();
+    let col = |n: &str| hdr.iter().position(|h| h == n).unwrap();
+    let (ct, cp, cb, cl, ce) = (
+        col("trace"),
+        col("policy"),
+        col("budget"),
+        col("layer"),
+        col("rel_l2"),
+    );
+    // (trace, policy, budget) -> per layer (Σ rel_l2², heads)
+    let mut sq: std::collections::BTreeMap<(String, String, String), [(f64, f64); 2]> =
+        Default::default();
+    for r in rows.records() {
+        let r = r.unwrap();
+        let e: f64 = r[ce].parse().unwrap();
+        let l: usize = r[cl].parse().unwrap();
+        let acc = &mut sq
+            .entry((r[ct].into(), r[cp].into(), r[cb].into()))
+            .or_default()[l];
+        acc.0 += e * e;
+        acc.1 += 1.0;
+    }
+    let mut sum = csv::Reader::from_path(out.join("summary.csv")).unwrap();
+    let hdr = sum.headers().unwrap().clone();
+    let col = |n: &str| hdr.iter().position(|h| h == n).unwrap();
+    let (ct, cp, cb, ck) = (
+        col("trace"),
+        col("policy"),
+        col("budget"),
+        col("predicted_kl"),
+    );
+    let mut checked = 0;
+    for r in sum.records() {
+        let r = r.unwrap();
+        if &r[ct] == "b.kvtrace" {
+            assert_eq!(&r[ck], "", "a profile of another model is ignored");
+            continue;
+        }
+        let l = sq[&(r[ct].to_string(), r[cp].to_string(), r[cb].to_string())];
+        let want = 2.0 * (0.25 * l[0].0 / l[0].1 + 3.0 * l[1].0 / l[1].1);
+        let got: f64 = r[ck].parse().unwrap();
+        assert!(
+            want > 0.0 && ((got - want) / want).abs() < 1e-12,
+            "{got} vs {want}"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 4);
+}
