@@ -1466,11 +1466,18 @@ fn every_policy_holds_at_most_b_f16_entries_per_kv_head_or_says_why() {
         let policy = PolicySpec::parse(spec).unwrap().build().unwrap();
         let mut worst = 0f64;
         for b in [12, 24, 48, 90] {
-            let r = kvreplay_replay::replay(&trace, policy.as_ref(), kvreplay_replay::Budget::Entries(b))
-                .unwrap_or_else(|e| panic!("{spec} at B = {b}: {e}"));
+            let r = kvreplay_replay::replay(
+                &trace,
+                policy.as_ref(),
+                kvreplay_replay::Budget::Entries(b),
+            )
+            .unwrap_or_else(|e| panic!("{spec} at B = {b}: {e}"));
             // decode entries are appended to every cache: G copies per KV
             // head where each query head has its own cache
-            let per_query = r.layers.iter().any(|l| l.retained.iter().any(|x| x.head >= nkv));
+            let per_query = r
+                .layers
+                .iter()
+                .any(|l| l.retained.iter().any(|x| x.head >= nkv));
             let appended = (t - p) * if per_query { nh / nkv } else { 1 };
             let bound = (nl * nkv * (b + appended)) as u64 * entry_bytes;
             let over = r.bytes() as f64 / bound as f64 - 1.0;
@@ -1519,13 +1526,32 @@ fn every_policy_holds_at_most_b_f16_entries_per_kv_head_or_says_why() {
     ] {
         check(spec, Memory::Budget);
     }
-    check("ems:gqa_mode=per_kv_head", kvreplay_replay::policies::ems::INFO.caps.memory);
+    check(
+        "ems:gqa_mode=per_kv_head",
+        kvreplay_replay::policies::ems::INFO.caps.memory,
+    );
     // the old meaning, kept as a parameter: B per query-head cache, G× the memory
-    let over = check("ahakv:gqa_mode=per_query_head,budget_per=query_head", Memory::Beyond("G×"));
+    let over = check(
+        "ahakv:gqa_mode=per_query_head,budget_per=query_head",
+        Memory::Beyond("G×"),
+    );
     assert!(over > 1.0, "{over}");
     assert_eq!(
         beyond,
-        ["full", "pyramidkv", "knorm", "minicache", "mikv", "mustafar", "zipcache", "gear", "kvquant", "retrieval_head", "razor", "simlayerkv"],
+        [
+            "full",
+            "pyramidkv",
+            "knorm",
+            "minicache",
+            "mikv",
+            "mustafar",
+            "zipcache",
+            "gear",
+            "kvquant",
+            "retrieval_head",
+            "razor",
+            "simlayerkv"
+        ],
         "which policies' memory is not set by the budget is deliberate"
     );
 }

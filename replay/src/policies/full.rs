@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::cache::HeadCache;
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
+use crate::info::{Build, Caps, Family, Memory, Phase, PolicyInfo};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;
 

@@ -24,7 +24,7 @@
 use std::sync::Arc;
 
 use crate::cache::{HeadCache, F16_BITS};
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
+use crate::info::{Build, Caps, Family, Memory, Phase, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;

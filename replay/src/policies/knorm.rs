@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Phase, PolicyInfo, Memory};
+use crate::info::{Build, Caps, Memory, Phase, PolicyInfo};
 use crate::params::{Kind, ParamInfo, Preset};
 use crate::scorer::KeyScorer;
 use kvreplay_kernels::cpu::l2_norm;

@@ -211,7 +211,10 @@ pub fn listing() -> String {
             (c.merges, "merges entries"),
             (c.quantises, "quantises"),
             (c.cross_layer, "shares across layers"),
-            (c.per_query_head, "one cache per query head (⌊B/G⌋ entries each)"),
+            (
+                c.per_query_head,
+                "one cache per query head (⌊B/G⌋ entries each)",
+            ),
         ] {
             if on {
                 flags.push(what);

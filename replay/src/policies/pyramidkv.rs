@@ -19,7 +19,7 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
+use crate::info::{Build, Caps, Family, Memory, Phase, PolicyInfo};
 use crate::params::{Kind, ParamInfo, Preset};
 use crate::scorer::{Allocation, TopK};
 

@@ -23,7 +23,7 @@
 
 use std::sync::Arc;
 
-use crate::info::{Build, Caps, Family, PolicyInfo, Memory};
+use crate::info::{Build, Caps, Family, Memory, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
 use crate::policies::retrieval_head::HeadSplit;
 

@@ -33,7 +33,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::cache::{HeadCache, F16_BITS};
-use crate::info::{Build, Caps, Family, PolicyInfo, Memory};
+use crate::info::{Build, Caps, Family, Memory, PolicyInfo};
 use crate::params::{Kind, ParamInfo, Params};
 use crate::policy::{prefill_alone, DecodeState, GroupDecodeState, PerLayer, Policy, PrefillCtx};
 use crate::ReplayError;

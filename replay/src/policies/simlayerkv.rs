@@ -17,7 +17,7 @@
 use std::sync::Arc;
 
 use crate::cache::HeadCache;
-use crate::info::{Build, Caps, PolicyInfo, Memory};
+use crate::info::{Build, Caps, Memory, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{AppendOnly, DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;

@@ -27,7 +27,7 @@ mod prefill;
 use std::sync::Arc;
 
 use crate::cache::HeadCache;
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
+use crate::info::{Build, Caps, Family, Memory, Phase, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{DecodeState, Policy, PrefillCtx};
 use crate::ReplayError;

@@ -29,7 +29,7 @@ mod slerp;
 use std::sync::Arc;
 
 use crate::cache::HeadCache;
-use crate::info::{Build, Caps, Family, Phase, PolicyInfo, Memory};
+use crate::info::{Build, Caps, Family, Memory, Phase, PolicyInfo};
 use crate::params::{Kind, ParamInfo};
 use crate::policy::{DecodeState, GroupDecodeState, Policy, PrefillCtx, StepCtx};
 use crate::ReplayError;
