@@ -168,8 +168,20 @@ pub fn family(spec: &str) -> String {
     }
 }
 
-/// Rank the plan's policies at `shares` (ordered by the share nearest [`PRIMARY`]).
+/// Rank the plan's policies at `shares` (ordered by the share nearest
+/// [`PRIMARY`]) by their mean relative L2 error.
 pub fn rank(plan: &Plan, points: &[PointResult], shares: &[f64]) -> Ranking {
+    rank_by(plan, points, shares, &|s| Some(s.rel_l2_mean))
+}
+
+/// [`rank`] by another per-point metric (e.g. `predicted_kl`); a policy
+/// without the metric on some trace does not reach any share.
+pub fn rank_by(
+    plan: &Plan,
+    points: &[PointResult],
+    shares: &[f64],
+    metric: &dyn Fn(&SummaryRow) -> Option<f64>,
+) -> Ranking {
     let primary = shares
         .iter()
         .enumerate()
@@ -180,9 +192,7 @@ pub fn rank(plan: &Plan, points: &[PointResult], shares: &[f64]) -> Ranking {
         .policies
         .iter()
         .map(|spec| {
-            let cs = curves(plan, points, spec, X::Memory, &window, &|s| {
-                Some(s.rel_l2_mean)
-            });
+            let cs = curves(plan, points, spec, X::Memory, &window, metric);
             let at = shares
                 .iter()
                 .map(|&m| {

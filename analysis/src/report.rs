@@ -726,6 +726,35 @@ const GLOSSARY: [(&str, &str); 9] = [
 
 const SORT_JS: &str = "document.querySelectorAll('table.sortable th').forEach(function(th,i){th.style.cursor='pointer';th.addEventListener('click',function(){var t=th.closest('table'),b=t.tBodies[0],r=Array.prototype.slice.call(b.rows),d=th.dataset.dir=th.dataset.dir==='asc'?'desc':'asc';var v=function(x){var s=x.cells[i].textContent,n=parseFloat(s);return isNaN(n)?s:n};r.sort(function(a,c){var p=v(a),q=v(c),o=(typeof p==='number'&&typeof q==='number')?p-q:(typeof p==='number'?-1:(typeof q==='number'?1:String(p).localeCompare(String(q))));return d==='asc'?o:-o});r.forEach(function(x){b.appendChild(x)})})});";
 
+/// The sortable table of a ranking: policy, family, `short` at each share.
+fn ranking_table(ranking: &Ranking, metric: &str, short: &str) -> String {
+    let mut html =
+        String::from("<table class=\"sortable\"><thead><tr><th>policy</th><th>family</th>");
+    for &m in &ranking.shares {
+        html.push_str(&format!(
+            "<th title=\"{metric} at {0} of the full cache\">{short} at {0}</th>",
+            percent(m)
+        ));
+    }
+    html.push_str("</tr></thead><tbody>");
+    let ranks: Vec<Vec<Option<usize>>> = (0..ranking.shares.len())
+        .map(|k| ranking.ranks_at(k))
+        .collect();
+    for (i, r) in ranking.rows.iter().enumerate() {
+        html.push_str(&format!(
+            "<tr><td>{}</td><td>{}</td>",
+            esc(&r.label),
+            esc(&r.family)
+        ));
+        for (k, x) in r.at.iter().enumerate() {
+            html.push_str(&at_cell(x, ranks[k][i]));
+        }
+        html.push_str("</tr>");
+    }
+    html.push_str("</tbody></table>");
+    html
+}
+
 fn at_cell(a: &At, rank: Option<usize>) -> String {
     match a {
         At::Value { mean, ci, .. } => {
@@ -804,6 +833,11 @@ pub fn write(out: &Path, plan: &Plan) -> Result<(), SweepError> {
     }
     let unverified = points.iter().filter(|p| p.unverified).count();
     let ranking = rank::rank(plan, &points, &rank::SHARES);
+    // by the predicted end-to-end KL, where every trace has a sensitivity profile
+    let by_kl = points
+        .iter()
+        .all(|p| p.summary.predicted_kl.is_some())
+        .then(|| rank::rank_by(plan, &points, &rank::SHARES, &|s| s.predicted_kl));
     let figs = figures(plan, &points, &ranking);
     let comparison = paired(plan, &points, &ranking);
     let a = Agg::new(plan, points);
@@ -875,29 +909,22 @@ pub fn write(out: &Path, plan: &Plan) -> Result<(), SweepError> {
              error is still the mean over every layer, sliding ones included.</p>",
         );
     }
-    html.push_str("<table class=\"sortable\"><thead><tr><th>policy</th><th>family</th>");
-    for &m in &ranking.shares {
-        html.push_str(&format!(
-            "<th title=\"mean relative L2 error at {0} of the full cache\">error at {0}</th>",
-            percent(m)
+    html.push_str(&ranking_table(&ranking, "mean relative L2 error", "error"));
+    if let Some(by_kl) = &by_kl {
+        html.push_str(
+            "<h2 id=\"predicted\">Ranking by predicted end-to-end KL</h2><p class=\"cap\">The same \
+             matched-memory ranking by <code>predicted_kl</code>: each layer's mean squared \
+             relative output error weighted by the trace's depth-sensitivity profile (how much \
+             an error on that layer moves the model's next-token distribution, measured with \
+             the model by <code>kvreplay sensitivity</code>). How well it predicts the model: \
+             README, \"Does replay predict the model?\".</p>",
+        );
+        html.push_str(&ranking_table(
+            by_kl,
+            "predicted end-to-end KL",
+            "predicted KL",
         ));
     }
-    html.push_str("</tr></thead><tbody>");
-    let ranks: Vec<Vec<Option<usize>>> = (0..ranking.shares.len())
-        .map(|k| ranking.ranks_at(k))
-        .collect();
-    for (i, r) in ranking.rows.iter().enumerate() {
-        html.push_str(&format!(
-            "<tr><td>{}</td><td>{}</td>",
-            esc(&r.label),
-            esc(&r.family)
-        ));
-        for (k, x) in r.at.iter().enumerate() {
-            html.push_str(&at_cell(x, ranks[k][i]));
-        }
-        html.push_str("</tr>");
-    }
-    html.push_str("</tbody></table>");
     // 2. the paired comparison
     html.push_str("<h2 id=\"paired\">Paired comparison</h2>");
     match &comparison {

@@ -950,4 +950,19 @@ fn a_sensitivity_profile_gives_predicted_kl() {
         checked += 1;
     }
     assert_eq!(checked, 4);
+    // the report ranks by it only where every trace has a profile (b's is of another model)
+    kvreplay_analysis::report::write(&out, &plan).unwrap();
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(!html.contains("Ranking by predicted end-to-end KL"));
+    let only_a = Plan::new(
+        &plan.traces[..1],
+        &["h2o".into(), "snapkv:w=4".into()],
+        &[4, 8],
+    )
+    .unwrap();
+    let out_a = tmp.path().join("out-a");
+    run(&only_a, &out_a, None, &mut |_, _, _| {}).unwrap();
+    kvreplay_analysis::report::write(&out_a, &only_a).unwrap();
+    let html = std::fs::read_to_string(out_a.join("report.html")).unwrap();
+    assert!(html.contains("Ranking by predicted end-to-end KL"));
 }
