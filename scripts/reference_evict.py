@@ -152,7 +152,7 @@ def lazy_rank(recs, idx, t, ratio):
 
 
 def lazy_replay(b, man, layers, window="16", alpha="1e-4", threshold="absolute", score="official",
-                rows="128", per_query_head="false", decode_evict="true", **_):
+                rows="128", per_query_head="false", decode_evict="true", budget_per="kv_head", **_):
     """Steps: prompt rows P-R..P-1 are steps 1..R, decode position t is step
     t-(P-R)+1; an entry starts at (step before its own, 0), prompt positions
     before the observed rows at (0, 0); attended: MRI = max(MRI, t - last),
@@ -166,6 +166,8 @@ def lazy_replay(b, man, layers, window="16", alpha="1e-4", threshold="absolute",
     group = nh // nkv
     if per_query_head == "true":
         units = [(h // group, [h]) for h in range(nh)]
+        # --budget is per KV head: its G query-head caches share it
+        b = b if budget_per == "query_head" else max(b // group, 1)
     else:
         units = [(g, list(range(g * group, (g + 1) * group))) for g in range(nkv)]
     steps = np.arange(p, t_all)
@@ -298,7 +300,8 @@ def xkv_replay(b, man, layers, group="4", rank_k="budget", rank_v="budget", v_sh
 
 # ---------------------------------------------------------------- triforce
 
-def triforce_replay(b, man, layers, chunk="8", refresh="1", per_query_head="false", decode_evict="true", **_):
+def triforce_replay(b, man, layers, chunk="8", refresh="1", per_query_head="false", decode_evict="true",
+                    budget_per="kv_head", **_):
     """The retrieval draft: chunk 0, then chunks by descending q . mean key
     (summed over the cache's query heads; later chunk on ties), the first
     B - n_dec positions of that order plus the decode entries; the order is
@@ -312,6 +315,8 @@ def triforce_replay(b, man, layers, chunk="8", refresh="1", per_query_head="fals
     nc = -(-p // c)
     units = [[h] for h in range(nh)] if per_query_head == "true" else \
         [list(range(g * grp, (g + 1) * grp)) for g in range(nkv)]
+    if per_query_head == "true" and budget_per != "query_head":
+        b = max(b // grp, 1)  # --budget is per KV head: its G query-head caches share it
     sums, count = np.zeros(4), 0
     for lay in layers:
         q, k, v = lay["q"], lay["k"], lay["v"]
