@@ -785,6 +785,8 @@ fn run_point(plan: &Plan, p: &Point, tr: &TraceReplay) -> Result<PointResult, Sw
                 .sum::<usize>();
             kept as f64 / ((s.end - s.start) * heads * r.layers.len()) as f64
         });
+    let family = kvreplay_replay::policies::family_of(&short);
+    let profile = profile_of(trace)?.map(|s| r.predicted_kl(&s, family));
     let summary = SummaryRow {
         trace: name,
         policy: short,
@@ -797,7 +799,7 @@ fn run_point(plan: &Plan, p: &Point, tr: &TraceReplay) -> Result<PointResult, Sw
         bytes: r.bytes(),
         memory_ratio: r.bytes() as f64 / r.full_bytes() as f64,
         needle_retention: needle,
-        predicted_kl: profile_of(trace)?.map(|s| r.predicted_kl(&s)),
+        predicted_kl: profile,
         policy_spec: plan.policies[p.policy].clone(),
     };
     let p_len = trace.manifest.prompt_len();

@@ -893,7 +893,9 @@ fn a_sensitivity_profile_gives_predicted_kl() {
         draws: 1,
         decode_steps: 6,
         per_layer: vec![0.25, 3.0],
+        per_head: None,
         scale: 2.0,
+        family_scale: Default::default(),
         kvreplay_version: "test".into(),
     };
     profile(&sha).write(&a).unwrap();

@@ -130,9 +130,11 @@ impl ReplayResult {
             .collect()
     }
     /// The end-to-end KL the trace's depth-sensitivity profile predicts for
-    /// this replay (`Sensitivity::predict` of [`Self::layer_sq_rel_l2`]).
-    pub fn predicted_kl(&self, profile: &kvreplay_traces::Sensitivity) -> f64 {
-        profile.predict(&self.layer_sq_rel_l2())
+    /// this replay of a policy of `family` (`Sensitivity::predict` of
+    /// [`Self::layer_sq_rel_l2`]: calibrated where the profile carries
+    /// factors).
+    pub fn predicted_kl(&self, profile: &kvreplay_traces::Sensitivity, family: &str) -> f64 {
+        profile.predict(family, &self.layer_sq_rel_l2())
     }
 }
 

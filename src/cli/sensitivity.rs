@@ -28,6 +28,9 @@ pub(super) struct SensitivityArgs {
     /// Remeasure a trace that already has a profile for this model.
     #[arg(long)]
     force: bool,
+    /// Also measure each query head on its own (n_heads times the model runs).
+    #[arg(long)]
+    per_head: bool,
 }
 
 pub(super) fn cmd_sensitivity(a: SensitivityArgs) -> Result<()> {
@@ -51,6 +54,7 @@ pub(super) fn cmd_sensitivity(a: SensitivityArgs) -> Result<()> {
     let opts = kvreplay_validate::sensitivity::Options {
         eps: a.eps,
         draws: a.draws,
+        per_head: a.per_head,
         ..Default::default()
     };
     for (i, t) in traces.iter().enumerate() {

@@ -16,20 +16,40 @@ pub(super) struct ValidateArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Traces: trace folders, or folders whose sub-folders are traces (the first half selects the best predictor, the rest are held out).
-    #[arg(long, num_args = 1.., required = true)]
+    #[arg(long, num_args = 1.., required_unless_present = "rescore")]
     trace: Vec<PathBuf>,
     /// Policy specs (repeatable).
-    #[arg(long = "policy", num_args = 1.., required = true)]
+    #[arg(long = "policy", num_args = 1.., required_unless_present = "rescore")]
     policies: Vec<String>,
     /// Budgets, comma-separated (entries per KV head and layer).
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(long, value_delimiter = ',', required_unless_present = "rescore")]
     budget: Vec<usize>,
     /// Output folder: validation.csv, summary.json, scatter.svg, report.md.
     #[arg(long)]
     out: PathBuf,
+    /// Rewrite the summary and report from the folder's validation.csv (no model run).
+    #[arg(long)]
+    rescore: bool,
+    /// Write the factors fitted on the selection traces (overall and per
+    /// policy family) into every --trace's sensitivity.json, so sweeps write
+    /// the calibrated predicted_kl.
+    #[arg(long)]
+    calibrate: bool,
 }
 
 pub(super) fn cmd_validate(a: ValidateArgs) -> Result<()> {
+    if a.rescore {
+        let csv = a.out.join("validation.csv");
+        let rows = kvreplay_validate::report::read_rows(&csv)?;
+        let command = std::fs::read_to_string(a.out.join("report.md"))
+            .ok()
+            .and_then(|md| md.lines().nth(2).map(|l| l.trim_matches('`').to_string()))
+            .unwrap_or_else(|| "kvreplay validate".into());
+        let s = kvreplay_validate::report::write(&a.out, &rows, &command)
+            .with_context(|| format!("writing {}", a.out.display()))?;
+        calibrate(&a, &s)?;
+        return print_summary(&s, &a.out);
+    }
     let specs = a
         .policies
         .iter()
@@ -74,18 +94,51 @@ pub(super) fn cmd_validate(a: ValidateArgs) -> Result<()> {
     bar.finish_and_clear();
     let s = kvreplay_validate::report::write(&a.out, &rows, &validate_command(&a))
         .with_context(|| format!("writing {}", a.out.display()))?;
+    calibrate(&a, &s)?;
+    print_summary(&s, &a.out)
+}
+
+/// With --calibrate: the fitted factors into each trace's profile.
+fn calibrate(a: &ValidateArgs, s: &kvreplay_validate::report::Summary) -> Result<()> {
+    if !a.calibrate {
+        return Ok(());
+    }
+    if a.trace.is_empty() {
+        bail!("--calibrate needs the traces whose profiles get the factors (--trace)");
+    }
+    for t in expand_traces(&a.trace)? {
+        let Some(mut p) = kvreplay_traces::Sensitivity::read(&t)? else {
+            bail!("{}: no sensitivity.json to calibrate; run `kvreplay sensitivity` or `kvreplay validate` on it first", t.display());
+        };
+        p.scale = s.overall_scale;
+        p.family_scale = s.family_scale.clone();
+        p.write(&t)?;
+    }
+    println!(
+        "calibrated the profiles: overall factor {:.3}, per family {}",
+        s.overall_scale,
+        s.family_scale
+            .iter()
+            .map(|(f, x)| format!("{f} {x:.3}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}
+
+fn print_summary(s: &kvreplay_validate::report::Summary, out: &std::path::Path) -> Result<()> {
     println!(
         "{} points on {} traces; Spearman with end-to-end KL:",
         s.points,
         s.traces.len()
     );
-    for c in &s.correlations {
+    for c in s.correlations.iter().chain(&s.calibrated) {
         match c.held_out {
             Some(h) => println!(
-                "  {:<24} all {:>6.3}   held-out {:>6.3}",
+                "  {:<45} all {:>6.3}   held-out {:>6.3}",
                 c.predictor, c.all, h
             ),
-            None => println!("  {:<24} all {:>6.3}", c.predictor, c.all),
+            None => println!("  {:<45} all {:>6.3}", c.predictor, c.all),
         }
     }
     println!(
@@ -97,7 +150,7 @@ pub(super) fn cmd_validate(a: ValidateArgs) -> Result<()> {
         "cost per point: closed loop {:.2} s, replay {:.2} s; wrote {}/{{validation.csv, summary.json, scatter.svg, report.md}}",
         s.closed_loop_seconds_per_point,
         s.replay_seconds_per_point,
-        a.out.display()
+        out.display()
     );
     Ok(())
 }

@@ -36,9 +36,20 @@ pub struct Sensitivity {
     /// over the decode steps, divided by ε² (the KL a relative error of 1 on
     /// every head of that layer alone would cause, to second order).
     pub per_layer: Vec<f64>,
+    /// Per (layer, query head): the same with one head perturbed at a time,
+    /// when measured (`kvreplay sensitivity --per-head`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_head: Option<Vec<Vec<f64>>>,
     /// Factor applied to the sum (1: uncalibrated, the second-order
-    /// estimate itself); `kvreplay validate` reports the fitted one.
+    /// estimate itself; `kvreplay validate --calibrate` writes the overall
+    /// factor it fitted on its selection traces).
     pub scale: f64,
+    /// Factors per policy family (the families of `kvreplay policies`),
+    /// fitted by `kvreplay validate --calibrate`: a family's errors move the
+    /// model more or less than random perturbations of the same size (its
+    /// errors are more or less coherent). A family without one uses `scale`.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub family_scale: std::collections::BTreeMap<String, f64>,
     /// kvreplay version that measured it.
     pub kvreplay_version: String,
 }
@@ -66,6 +77,9 @@ impl Sensitivity {
         }
         if s.per_layer.iter().any(|x| !(x.is_finite() && *x >= 0.0))
             || !(s.scale.is_finite() && s.scale > 0.0)
+            || s.family_scale
+                .values()
+                .any(|x| !(x.is_finite() && *x > 0.0))
         {
             return Err(bad(
                 path,
@@ -88,18 +102,24 @@ impl Sensitivity {
         std::fs::rename(&tmp, &path).map_err(|err| TraceError::Io { path, err })
     }
 
-    /// The predicted end-to-end KL of a replay whose layer l has mean
-    /// squared relative output error `sq_err[l]` (mean over heads of the
-    /// squared per-head rel_l2): scale · Σ_l per_layer[l] · sq_err[l].
-    pub fn predict(&self, sq_err: &[f64]) -> f64 {
+    /// The calibrated prediction for a policy of `family`:
+    /// [`predict_raw`](Self::predict_raw) times the family's factor, or
+    /// `scale` without one.
+    pub fn predict(&self, family: &str, sq_err: &[f64]) -> f64 {
+        self.family_scale.get(family).copied().unwrap_or(self.scale) * self.predict_raw(sq_err)
+    }
+
+    /// The second-order estimate of the end-to-end KL of a replay whose
+    /// layer l has mean squared relative output error `sq_err[l]` (mean
+    /// over heads of the squared per-head rel_l2): Σ_l per_layer[l] ·
+    /// sq_err[l], uncalibrated.
+    pub fn predict_raw(&self, sq_err: &[f64]) -> f64 {
         assert_eq!(sq_err.len(), self.per_layer.len(), "one error per layer");
-        self.scale
-            * self
-                .per_layer
-                .iter()
-                .zip(sq_err)
-                .map(|(s, e)| s * e)
-                .sum::<f64>()
+        self.per_layer
+            .iter()
+            .zip(sq_err)
+            .map(|(s, e)| s * e)
+            .sum::<f64>()
     }
 }
 
@@ -115,7 +135,9 @@ mod tests {
             draws: 1,
             decode_steps: 16,
             per_layer: vec![2.0, 0.5, 0.0],
+            per_head: None,
             scale: 1.0,
+            family_scale: Default::default(),
             kvreplay_version: "0".into(),
         }
     }
@@ -129,7 +151,13 @@ mod tests {
         let back = Sensitivity::read(dir.path()).unwrap().unwrap();
         assert_eq!(back, p);
         // 2·0.01 + 0.5·0.04 + 0·1
-        assert!((back.predict(&[0.01, 0.04, 1.0]) - 0.04).abs() < 1e-15);
+        assert!((back.predict_raw(&[0.01, 0.04, 1.0]) - 0.04).abs() < 1e-15);
+        let mut cal = back.clone();
+        (cal.scale, cal.family_scale) = (3.0, [("merging".to_string(), 10.0)].into());
+        cal.write(dir.path()).unwrap();
+        let cal = Sensitivity::read(dir.path()).unwrap().unwrap();
+        assert!((cal.predict("merging", &[0.01, 0.04, 1.0]) - 0.4).abs() < 1e-15);
+        assert!((cal.predict("eviction", &[0.01, 0.04, 1.0]) - 0.12).abs() < 1e-15);
         assert!(!dir
             .path()
             .join(format!(".{SENSITIVITY_FILE}.{}", std::process::id()))

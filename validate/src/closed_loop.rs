@@ -226,6 +226,8 @@ pub fn decode_compressed(
 #[derive(Clone, Copy, Debug)]
 pub struct Perturb {
     pub layer: usize,
+    /// One query head of the layer only (None: every head).
+    pub head: Option<usize>,
     pub eps: f64,
     pub seed: u64,
 }
@@ -345,7 +347,9 @@ pub fn decode_with(
                         (pos, window),
                         &mut o[h * d..(h + 1) * d],
                     );
-                    if let Some(pt) = perturb.filter(|pt| pt.layer == l) {
+                    if let Some(pt) =
+                        perturb.filter(|pt| pt.layer == l && pt.head.is_none_or(|x| x == h))
+                    {
                         pt.apply(i, h, &mut o[h * d..(h + 1) * d]);
                     }
                     il.rel_l2[l][h] += rel_diff(&o[h * d..(h + 1) * d], &o_full);

@@ -21,7 +21,7 @@ use std::path::Path;
 use kvreplay_capture::Model;
 use kvreplay_replay::{Budget, PolicySpec, ReplayResult};
 use kvreplay_traces::Trace;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use closed_loop::{decode_compressed, decode_full, prefill, Feed};
 
@@ -42,7 +42,7 @@ pub enum ValidateError {
 }
 
 /// One validated (trace, policy, budget) point.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Row {
     pub trace: String,
     pub policy: String,
@@ -131,15 +131,6 @@ fn predictors(r: &ReplayResult, row: &mut Row) {
         .map(|(l, x)| (l + 1) as f64 * x)
         .sum::<f64>()
         / wsum;
-}
-
-/// The family of a spec's base policy (the name before any `:` or `+`).
-pub fn family_of(spec: &str) -> &'static str {
-    let base = spec.split([':', '+']).next().unwrap_or(spec);
-    kvreplay_replay::REGISTRY
-        .iter()
-        .find(|i| i.name == base)
-        .map_or("external", |i| i.caps.family.name())
 }
 
 /// Families held out of the predictor's choice in the by-family split:
@@ -309,7 +300,7 @@ pub fn validate_trace(
             let mut row = Row {
                 trace: name.clone(),
                 policy: spec.short(),
-                family: family_of(&spec.short()).to_string(),
+                family: kvreplay_replay::policies::family_of(&spec.short()).to_string(),
                 budget: b,
                 e2e_kl: kl,
                 e2e_top1: top1,
@@ -323,10 +314,10 @@ pub fn validate_trace(
                 replay_worst_layer_rel_l2: 0.0,
                 replay_p95_rel_l2: 0.0,
                 replay_depth_weighted_rel_l2: 0.0,
-                replay_predicted_kl: r.predicted_kl(&profile),
+                replay_predicted_kl: profile.predict_raw(&r.layer_sq_rel_l2()),
                 loop_rel_l2: closed_loop::InLoop::mean(&il.rel_l2, il.steps),
                 loop_predicted_kl: profile
-                    .predict(&closed_loop::InLoop::layer_sq(&il.rel_l2, il.steps)),
+                    .predict_raw(&closed_loop::InLoop::layer_sq(&il.rel_l2, il.steps)),
                 query_drift: closed_loop::InLoop::mean(&il.drift, il.steps),
                 closed_loop_seconds,
                 replay_seconds: t1.elapsed().as_secs_f64(),

@@ -43,6 +43,14 @@ pub struct Summary {
     /// the held-out families.
     pub best_by_family: String,
     pub held_out_families: Vec<String>,
+    /// The predicted KL calibrated on the selection traces: per policy
+    /// family, and per policy (each falling back to the coarser factor,
+    /// then to the overall one, where the selection traces have no point).
+    pub calibrated: Vec<Correlation>,
+    /// The factors fitted on the selection traces (all points with one
+    /// trace): median of end-to-end KL / predicted KL per family and overall.
+    pub family_scale: std::collections::BTreeMap<String, f64>,
+    pub overall_scale: f64,
     /// Points ranked far apart by replay rel_l2 and by end-to-end KL.
     pub disagreements: Vec<String>,
     /// The closed loop's in-loop statistics ([`crate::IN_LOOP`]): Spearman
@@ -174,6 +182,91 @@ pub fn summarise(rows: &[Row]) -> Summary {
             needle_auc: auc(&needle.iter().map(|r| f(r)).collect::<Vec<_>>(), &kept),
         })
         .collect();
+    // calibration of the predicted KL: factors fitted on the selection
+    // traces (the other families for the by-family split), applied to all
+    let fit = |fit_rows: &[&Row]| {
+        let ratio = |r: &&Row| (r.e2e_kl / r.replay_predicted_kl.max(1e-12)).ln();
+        let median = |mut v: Vec<f64>| -> Option<f64> {
+            v.sort_by(f64::total_cmp);
+            (!v.is_empty()).then(|| {
+                let n = v.len();
+                if n % 2 == 1 {
+                    v[n / 2]
+                } else {
+                    (v[n / 2 - 1] + v[n / 2]) / 2.0
+                }
+            })
+        };
+        let overall = median(fit_rows.iter().map(ratio).collect()).unwrap_or(0.0);
+        let by = |key: &dyn Fn(&Row) -> &str| -> std::collections::BTreeMap<String, f64> {
+            let mut keys: Vec<&str> = fit_rows.iter().map(|r| key(r)).collect();
+            keys.sort();
+            keys.dedup();
+            keys.into_iter()
+                .filter_map(|k| {
+                    let m = median(fit_rows.iter().filter(|r| key(r) == k).map(ratio).collect())?;
+                    Some((k.to_string(), m))
+                })
+                .collect()
+        };
+        (
+            overall,
+            by(&|r| r.family.as_str()),
+            by(&|r| r.policy.as_str()),
+        )
+    };
+    let calibrate = |fit_rows: &[&Row], per_policy: bool| -> Vec<f64> {
+        let (overall, fam, pol) = fit(fit_rows);
+        rows.iter()
+            .map(|r| {
+                let f = fam.get(&r.family).copied().unwrap_or(overall);
+                let ln = if per_policy {
+                    pol.get(&r.policy).copied().unwrap_or(f)
+                } else {
+                    f
+                };
+                r.replay_predicted_kl * ln.exp()
+            })
+            .collect()
+    };
+    let sel_or_all: Vec<&Row> = if held_rows.is_empty() {
+        all.clone()
+    } else {
+        sel_rows.clone()
+    };
+    let calibrated: Vec<Correlation> = [
+        ("predicted KL calibrated per family", false),
+        ("predicted KL calibrated per policy", true),
+    ]
+    .iter()
+    .map(|&(name, per_policy)| {
+        let by_trace = calibrate(&sel_or_all, per_policy);
+        let fam_cal = calibrate(&fam_sel, per_policy);
+        let rho_of = |v: &[f64], keep: &dyn Fn(&Row) -> bool| {
+            let (x, y): (Vec<f64>, Vec<f64>) = rows
+                .iter()
+                .zip(v)
+                .filter(|(r, _)| keep(r))
+                .map(|(r, x)| (*x, r.e2e_kl))
+                .unzip();
+            spearman(&x, &y)
+        };
+        let in_held = |r: &Row| held.contains(&r.trace);
+        let in_held_family = |r: &Row| crate::HELD_OUT_FAMILIES.contains(&r.family.as_str());
+        Correlation {
+            predictor: name.to_string(),
+            all: rho_of(&by_trace, &|_| true),
+            held_out: (!held_rows.is_empty()).then(|| rho_of(&by_trace, &in_held)),
+            selection: (!held_rows.is_empty()).then(|| rho_of(&by_trace, &|r| !in_held(r))),
+            family_selection: by_family.then(|| rho_of(&fam_cal, &|r| !in_held_family(r))),
+            // the held-out families fall back to the overall factor: one
+            // constant, so their own ranking is the uncalibrated one
+            family_held_out: by_family.then(|| rho_of(&fam_cal, &in_held_family)),
+            needle_auc: None,
+        }
+    })
+    .collect();
+    let (overall_ln, fam_ln, _) = fit(&sel_or_all);
     let mut families: Vec<String> = rows.iter().map(|r| r.family.clone()).collect();
     families.sort();
     families.dedup();
@@ -189,6 +282,9 @@ pub fn summarise(rows: &[Row]) -> Summary {
         .collect();
     let n = rows.len().max(1) as f64;
     Summary {
+        calibrated,
+        family_scale: fam_ln.into_iter().map(|(k, v)| (k, v.exp())).collect(),
+        overall_scale: overall_ln.exp(),
         in_loop,
         drift_by_family,
         points: rows.len(),
@@ -210,6 +306,21 @@ pub fn summarise(rows: &[Row]) -> Summary {
         closed_loop_seconds_per_point: rows.iter().map(|r| r.closed_loop_seconds).sum::<f64>() / n,
         replay_seconds_per_point: rows.iter().map(|r| r.replay_seconds).sum::<f64>() / n,
     }
+}
+
+/// The rows of a `validation.csv` written by [`write`] (to rescore them
+/// without rerunning the closed loop).
+pub fn read_rows(csv_path: &Path) -> Result<Vec<Row>, ValidateError> {
+    let bad = |e: csv::Error| ValidateError::Input {
+        path: csv_path.display().to_string(),
+        msg: format!(
+            "{e}; it must be the validation.csv a `kvreplay validate` of this version wrote"
+        ),
+    };
+    let mut r = csv::Reader::from_path(csv_path).map_err(bad)?;
+    r.deserialize()
+        .collect::<Result<Vec<Row>, _>>()
+        .map_err(bad)
 }
 
 /// Write validation.csv, summary.json, scatter.svg and report.md into `out`.
@@ -293,6 +404,22 @@ pub fn write(out: &Path, rows: &[Row], command: &str) -> Result<Summary, Validat
         "\nBest predictor (chosen on the selection traces): **{}**.\n\n",
         s.best
     );
+    md += &format!(
+        "Calibrated: the predicted KL times a factor per policy family (or per policy) fitted on the selection traces as the median of end-to-end KL / predicted KL (overall factor {:.2}; per family: {}); a policy or family the selection traces lack gets the next coarser factor:\n\n| calibrated predictor | all points | held-out traces | other families | held-out families |\n|---|---|---|---|---|\n",
+        s.overall_scale,
+        s.family_scale.iter().map(|(f, x)| format!("{f} {x:.2}")).collect::<Vec<_>>().join(", ")
+    );
+    for c in &s.calibrated {
+        md += &format!(
+            "| {} | {:.3} | {} | {} | {} |\n",
+            c.predictor,
+            c.all,
+            c.held_out.map_or("-".into(), |x| format!("{x:.3}")),
+            c.family_selection.map_or("-".into(), |x| format!("{x:.3}")),
+            c.family_held_out.map_or("-".into(), |x| format!("{x:.3}"))
+        );
+    }
+    md += "\n";
     md += "What teacher forcing costs: the same statistics measured inside the compressed run, with the queries the compressed model really computed (replay cannot see them; they bound what replay statistics of this form can reach):\n\n| in-loop statistic | all points | held-out traces | held-out families |\n|---|---|---|---|\n";
     for c in &s.in_loop {
         md += &format!(
@@ -386,5 +513,73 @@ mod tests {
         // a tie between a positive and a negative counts half
         assert_eq!(auc(&[0.5, 0.5], &[true, false]), Some(0.5));
         assert_eq!(auc(&s, &[true; 4]), None);
+    }
+}
+
+#[cfg(test)]
+mod calibration_tests {
+    use super::summarise;
+    use crate::Row;
+
+    fn row(trace: &str, policy: &str, family: &str, pred: f64, kl: f64) -> Row {
+        Row {
+            trace: trace.into(),
+            policy: policy.into(),
+            family: family.into(),
+            budget: 64,
+            e2e_kl: kl,
+            e2e_top1: 1.0,
+            e2e_ppl: 1.0,
+            full_ppl: 1.0,
+            needle_kept: None,
+            text: String::new(),
+            replay_rel_l2: pred,
+            replay_attn_loss: 0.0,
+            replay_kl: 0.0,
+            replay_worst_layer_rel_l2: 0.0,
+            replay_p95_rel_l2: 0.0,
+            replay_depth_weighted_rel_l2: 0.0,
+            replay_predicted_kl: pred,
+            loop_rel_l2: 0.0,
+            loop_predicted_kl: 0.0,
+            query_drift: 0.0,
+            closed_loop_seconds: 0.0,
+            replay_seconds: 0.0,
+        }
+    }
+
+    /// Two families whose errors move the model 1x and 10x their prediction:
+    /// uncalibrated, the predicted KL ranks them wrongly across families; a
+    /// factor per family fitted on the selection trace (median KL/predicted:
+    /// 1 and 10 exactly) ranks the held-out trace perfectly.
+    #[test]
+    fn per_family_factors_fitted_on_the_selection_traces_fix_the_cross_family_order() {
+        let mut rows = Vec::new();
+        for t in ["a", "b"] {
+            for (i, pred) in [0.1, 0.2, 0.3, 0.4].into_iter().enumerate() {
+                rows.push(row(t, &format!("n{i}"), "quantisation", pred, pred));
+                rows.push(row(
+                    t,
+                    &format!("e{i}"),
+                    "eviction",
+                    pred / 4.0,
+                    10.0 * pred / 4.0,
+                ));
+            }
+        }
+        let s = summarise(&rows);
+        assert_eq!(s.held_out_traces, ["b"]);
+        let raw = s
+            .correlations
+            .iter()
+            .find(|c| c.predictor.contains("predicted KL"))
+            .unwrap();
+        assert!(raw.held_out.unwrap() < 0.9, "{raw:?}");
+        let fam = &s.calibrated[0];
+        assert_eq!(fam.held_out, Some(1.0), "{fam:?}");
+        assert!(
+            (s.family_scale["eviction"] - 10.0).abs() < 1e-12
+                && (s.family_scale["quantisation"] - 1.0).abs() < 1e-12
+        );
     }
 }

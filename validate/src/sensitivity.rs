@@ -24,6 +24,8 @@ pub struct Options {
     pub draws: usize,
     /// Seed of the directions.
     pub seed: u64,
+    /// Also measure every query head on its own (n_heads times the runs).
+    pub per_head: bool,
 }
 
 impl Default for Options {
@@ -34,6 +36,7 @@ impl Default for Options {
             eps: 0.2,
             draws: 2,
             seed: 0x5E45,
+            per_head: false,
         }
     }
 }
@@ -69,6 +72,7 @@ pub fn measure(
         for draw in 0..opts.draws.max(1) {
             let perturb = Perturb {
                 layer,
+                head: None,
                 eps: opts.eps,
                 seed: opts.seed.wrapping_add(draw as u64),
             };
@@ -87,6 +91,43 @@ pub fn measure(
         }
         per_layer.push(kl / opts.draws.max(1) as f64 / (opts.eps * opts.eps));
     }
+    let nh = model.llama.cfg.n_heads;
+    let per_head = opts
+        .per_head
+        .then(|| {
+            (0..nl)
+                .map(|layer| {
+                    progress(layer);
+                    (0..nh)
+                        .map(|h| {
+                            let mut kl = 0.0;
+                            for draw in 0..opts.draws.max(1) {
+                                let perturb = Perturb {
+                                    layer,
+                                    head: Some(h),
+                                    eps: opts.eps,
+                                    seed: opts.seed.wrapping_add(draw as u64),
+                                };
+                                let run = decode_with(
+                                    model,
+                                    pre,
+                                    &Full,
+                                    pre.prompt_len,
+                                    cont,
+                                    n,
+                                    Feed::Teacher,
+                                    Some(perturb),
+                                    None,
+                                )?;
+                                kl += mean_kl(full, &run);
+                            }
+                            Ok(kl / opts.draws.max(1) as f64 / (opts.eps * opts.eps))
+                        })
+                        .collect::<Result<Vec<f64>, ValidateError>>()
+                })
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .transpose()?;
     Ok(Sensitivity {
         format: SENSITIVITY_FORMAT.into(),
         model_sha256: model.source.sha256.clone(),
@@ -94,7 +135,9 @@ pub fn measure(
         draws: opts.draws.max(1),
         decode_steps: n,
         per_layer,
+        per_head,
         scale: 1.0,
+        family_scale: Default::default(),
         kvreplay_version: env!("CARGO_PKG_VERSION").into(),
     })
 }

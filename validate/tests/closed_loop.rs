@@ -317,6 +317,7 @@ fn sensitivity_is_second_order_stored_with_the_trace_and_predicts() {
     let policy = PolicySpec::parse("full").unwrap().build().unwrap();
     let zero = Perturb {
         layer: 1,
+        head: None,
         eps: 0.0,
         seed: 7,
     };
@@ -343,6 +344,7 @@ fn sensitivity_is_second_order_stored_with_the_trace_and_predicts() {
                 eps,
                 draws: 2,
                 seed: 3,
+                per_head: false,
             },
             &mut |_| {},
         )
@@ -362,9 +364,43 @@ fn sensitivity_is_second_order_stored_with_the_trace_and_predicts() {
             "KL/ε² at ε = 0.02: {x}, at 0.04: {y}"
         );
     }
+    // per head: one head perturbed at a time, (layers, heads), of the layer's order of size
+    let ph = measure(
+        &m,
+        &pre,
+        &full,
+        &cont,
+        Options {
+            eps: 0.02,
+            draws: 2,
+            seed: 3,
+            per_head: true,
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(
+        ph.per_layer, a.per_layer,
+        "the per-layer figures do not depend on --per-head"
+    );
+    let heads = ph.per_head.unwrap();
+    assert_eq!(
+        (heads.len(), heads[0].len()),
+        (m.llama.cfg.n_layers, m.llama.cfg.n_heads)
+    );
+    for (l, hs) in heads.iter().enumerate() {
+        assert!(hs.iter().all(|s| s.is_finite() && *s >= 0.0), "{hs:?}");
+        // each head alone moves the model less than all of them together
+        assert!(
+            hs.iter().all(|s| *s <= a.per_layer[l] * 1.5),
+            "{hs:?} vs {}",
+            a.per_layer[l]
+        );
+    }
     // one layer's KL is the profile's prediction for an error of ε on that layer alone
     let one = Perturb {
         layer: 0,
+        head: None,
         eps: 0.02,
         seed: 3,
     };

@@ -114,6 +114,17 @@ pub static REGISTRY: &[&PolicyInfo] = &[
     &triforce::INFO,
 ];
 
+/// The family name (`Family::name`) of a spec's base policy, the name
+/// before any `:` or `+`; `external` for a policy not in the registry
+/// (a Python policy).
+pub fn family_of(spec: &str) -> &'static str {
+    let base = spec.split([':', '+']).next().unwrap_or(spec);
+    REGISTRY
+        .iter()
+        .find(|i| i.name == base)
+        .map_or("external", |i| i.caps.family.name())
+}
+
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {
     REGISTRY.iter().copied().find(|p| p.name == name)
 }
