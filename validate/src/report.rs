@@ -185,7 +185,8 @@ pub fn summarise(rows: &[Row]) -> Summary {
     // calibration of the predicted KL: factors fitted on the selection
     // traces (the other families for the by-family split), applied to all
     let fit = |fit_rows: &[&Row]| {
-        let ratio = |r: &&Row| (r.e2e_kl / r.replay_predicted_kl.max(1e-12)).ln();
+        // both floored: an exact point (KL 0, predicted 0) counts as 1
+        let ratio = |r: &&Row| (r.e2e_kl.max(1e-9) / r.replay_predicted_kl.max(1e-9)).ln();
         let median = |mut v: Vec<f64>| -> Option<f64> {
             v.sort_by(f64::total_cmp);
             (!v.is_empty()).then(|| {
