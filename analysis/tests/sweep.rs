@@ -39,7 +39,7 @@ fn resumed_and_sharded_sweeps_equal_one_run() {
     assert_eq!((r.points, r.ran, r.reused, r.complete), (18, 18, 0, true));
     let full = files(&one);
     let summary = String::from_utf8(full.1.clone()).unwrap();
-    assert!(summary.starts_with("trace,policy,budget,rel_l2_mean,rel_l2_p95,cosine_mean,attn_mass_mean,kl_mean,bytes,memory_ratio,needle_retention,policy_spec\n"));
+    assert!(summary.starts_with("trace,policy,budget,rel_l2_mean,rel_l2_p95,cosine_mean,attn_mass_mean,kl_mean,bytes,memory_ratio,needle_retention,predicted_kl,policy_spec\n"));
     assert_eq!(summary.lines().count(), 1 + 18);
     // full keeps every needle position; h2o at B = 4 cannot keep all 4 plus its window
     assert!(summary.contains("a.kvtrace,full,4,0.0,0.0,"));

@@ -119,18 +119,21 @@ pub fn summarise(rows: &[Row]) -> Summary {
     let by_family = !fam_held.is_empty() && !fam_sel.is_empty();
     let needle: Vec<&Row> = rows.iter().filter(|r| r.needle_kept.is_some()).collect();
     let kept: Vec<bool> = needle.iter().map(|r| r.needle_kept == Some(true)).collect();
-    let correlations: Vec<Correlation> = PREDICTORS
-        .iter()
-        .map(|(name, f)| Correlation {
-            predictor: name.to_string(),
-            all: rho(&all, *f),
-            held_out: (!held_rows.is_empty()).then(|| rho(&held_rows, *f)),
-            selection: (!held_rows.is_empty()).then(|| rho(&sel_rows, *f)),
-            family_selection: by_family.then(|| rho(&fam_sel, *f)),
-            family_held_out: by_family.then(|| rho(&fam_held, *f)),
-            needle_auc: auc(&needle.iter().map(|r| f(r)).collect::<Vec<_>>(), &kept),
-        })
-        .collect();
+    // each statistic of `list` against the end-to-end KL on every split
+    let correlate = |list: &[(&str, crate::Predictor)]| -> Vec<Correlation> {
+        list.iter()
+            .map(|(name, f)| Correlation {
+                predictor: name.to_string(),
+                all: rho(&all, *f),
+                held_out: (!held_rows.is_empty()).then(|| rho(&held_rows, *f)),
+                selection: (!held_rows.is_empty()).then(|| rho(&sel_rows, *f)),
+                family_selection: by_family.then(|| rho(&fam_sel, *f)),
+                family_held_out: by_family.then(|| rho(&fam_held, *f)),
+                needle_auc: auc(&needle.iter().map(|r| f(r)).collect::<Vec<_>>(), &kept),
+            })
+            .collect()
+    };
+    let correlations = correlate(PREDICTORS);
     let best_of = |score: &dyn Fn(&Correlation) -> f64| {
         correlations
             .iter()
@@ -170,18 +173,7 @@ pub fn summarise(rows: &[Row]) -> Summary {
             }
         }
     }
-    let in_loop = crate::IN_LOOP
-        .iter()
-        .map(|(name, f)| Correlation {
-            predictor: name.to_string(),
-            all: rho(&all, *f),
-            held_out: (!held_rows.is_empty()).then(|| rho(&held_rows, *f)),
-            selection: (!held_rows.is_empty()).then(|| rho(&sel_rows, *f)),
-            family_selection: by_family.then(|| rho(&fam_sel, *f)),
-            family_held_out: by_family.then(|| rho(&fam_held, *f)),
-            needle_auc: auc(&needle.iter().map(|r| f(r)).collect::<Vec<_>>(), &kept),
-        })
-        .collect();
+    let in_loop = correlate(crate::IN_LOOP);
     // calibration of the predicted KL: factors fitted on the selection
     // traces (the other families for the by-family split), applied to all
     let fit = |fit_rows: &[&Row]| {

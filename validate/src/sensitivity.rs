@@ -66,13 +66,13 @@ pub fn measure(
     let n = full.logits.len();
     let nl = model.llama.cfg.n_layers;
     let mut per_layer = Vec::with_capacity(nl);
-    for layer in 0..nl {
-        progress(layer);
+    // KL/ε² of perturbing `head` (None: every head) of `layer`, over the draws
+    let sens = |layer: usize, head: Option<usize>| -> Result<f64, ValidateError> {
         let mut kl = 0.0;
         for draw in 0..opts.draws.max(1) {
             let perturb = Perturb {
                 layer,
-                head: None,
+                head,
                 eps: opts.eps,
                 seed: opts.seed.wrapping_add(draw as u64),
             };
@@ -89,7 +89,11 @@ pub fn measure(
             )?;
             kl += mean_kl(full, &run);
         }
-        per_layer.push(kl / opts.draws.max(1) as f64 / (opts.eps * opts.eps));
+        Ok(kl / opts.draws.max(1) as f64 / (opts.eps * opts.eps))
+    };
+    for layer in 0..nl {
+        progress(layer);
+        per_layer.push(sens(layer, None)?);
     }
     let nh = model.llama.cfg.n_heads;
     let per_head = opts
@@ -99,31 +103,8 @@ pub fn measure(
                 .map(|layer| {
                     progress(layer);
                     (0..nh)
-                        .map(|h| {
-                            let mut kl = 0.0;
-                            for draw in 0..opts.draws.max(1) {
-                                let perturb = Perturb {
-                                    layer,
-                                    head: Some(h),
-                                    eps: opts.eps,
-                                    seed: opts.seed.wrapping_add(draw as u64),
-                                };
-                                let run = decode_with(
-                                    model,
-                                    pre,
-                                    &Full,
-                                    pre.prompt_len,
-                                    cont,
-                                    n,
-                                    Feed::Teacher,
-                                    Some(perturb),
-                                    None,
-                                )?;
-                                kl += mean_kl(full, &run);
-                            }
-                            Ok(kl / opts.draws.max(1) as f64 / (opts.eps * opts.eps))
-                        })
-                        .collect::<Result<Vec<f64>, ValidateError>>()
+                        .map(|h| sens(layer, Some(h)))
+                        .collect::<Result<Vec<f64>, _>>()
                 })
                 .collect::<Result<Vec<_>, _>>()
         })
