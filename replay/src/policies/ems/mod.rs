@@ -54,7 +54,7 @@ pub static INFO: PolicyInfo = PolicyInfo {
         ParamInfo { name: "zero_class", default: "free", kind: Kind::Choice(&["free", "literal_zero"]), help: "evicted to-be-merged tokens: freed, or kept as zero key/value slots that still take softmax mass" },
         ParamInfo { name: "similarity", default: "key_value", kind: Kind::Choice(&["key_value", "key", "value"]), help: "Table 8 ablation of the redundancy measure" },
     ],
-    caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, per_query_head: true, holds_capacity: true, exact_when_covering: false, memory: Memory::Metadata { share: 0.06, what: "beside its N_budget entries (⌊B/G⌋ per query-head cache), each of up to γ·N_budget slots stores its key's f16 norm and its entry's index, 16 + ⌈log2(N_budget + 1)⌉ bits: at most 6% of the bound at d = 64, γ = 4, N_budget < 4096" }, ..Caps::EVICT_PREFILL },
+    caps: Caps { family: Family::Merging, phase: Phase::Decode, merges: true, per_query_head: true, holds_capacity: true, exact_when_covering: false, memory: Memory::Metadata { share: 0.06, what: "per-slot metadata: each of up to γ·N_budget slots (N_budget = ⌊B/G⌋ per query-head cache) stores its key's f16 norm and its entry's index, 16 + ⌈log2(N_budget + 1)⌉ bits, at most 6% of the bound at d = 64, γ = 4, N_budget < 4096" }, ..Caps::EVICT_PREFILL },
     test: "ems_global_local_scores_pick_the_centres_and_weight_the_merge",
     build: Build::Policy(|p| {
         Ok(Arc::new(Ems::from_params(p)?))
