@@ -315,24 +315,28 @@ fn sensitivity_is_second_order_stored_with_the_trace_and_predicts() {
     let pre = prefill(&m, &prompt, 30).unwrap();
     let full = decode_full(&m, &pre, &cont, 6, Feed::Teacher).unwrap();
     let policy = PolicySpec::parse("full").unwrap().build().unwrap();
-    let zero = Perturb {
-        layer: 1,
-        head: None,
-        eps: 0.0,
-        seed: 7,
+    // the uncompressed closed loop with `layer`'s outputs perturbed by ε
+    let perturbed = |layer: usize, eps: f64, seed: u64| {
+        let pt = Perturb {
+            layer,
+            head: None,
+            eps,
+            seed,
+        };
+        decode_with(
+            &m,
+            &pre,
+            policy.as_ref(),
+            24,
+            &cont,
+            6,
+            Feed::Teacher,
+            Some(pt),
+            None,
+        )
+        .unwrap()
     };
-    let same = decode_with(
-        &m,
-        &pre,
-        policy.as_ref(),
-        24,
-        &cont,
-        6,
-        Feed::Teacher,
-        Some(zero),
-        None,
-    )
-    .unwrap();
+    let same = perturbed(1, 0.0, 7);
     assert_eq!(bits(&same.logits), bits(&full.logits));
     let at = |eps: f64| {
         measure(
@@ -398,24 +402,7 @@ fn sensitivity_is_second_order_stored_with_the_trace_and_predicts() {
         );
     }
     // one layer's KL is the profile's prediction for an error of ε on that layer alone
-    let one = Perturb {
-        layer: 0,
-        head: None,
-        eps: 0.02,
-        seed: 3,
-    };
-    let run = decode_with(
-        &m,
-        &pre,
-        policy.as_ref(),
-        24,
-        &cont,
-        6,
-        Feed::Teacher,
-        Some(one),
-        None,
-    )
-    .unwrap();
+    let run = perturbed(0, 0.02, 3);
     let alone = mean_kl(&full, &run) / (0.02 * 0.02);
     assert!(
         alone > 0.0 && (alone / a.per_layer[0]).ln().abs() < 1.0,
