@@ -720,12 +720,7 @@ fn prepare(out: &Path, plan: &Plan) -> Result<Vec<String>, SweepError> {
 /// the trace's own model and layer count (a profile of another model is
 /// ignored; an unreadable one is an error naming the file).
 fn profile_of(trace: &Trace) -> Result<Option<kvreplay_traces::Sensitivity>, SweepError> {
-    let m = &trace.manifest;
-    Ok(kvreplay_traces::Sensitivity::read(trace.dir())
-        .map_err(ReplayError::from)?
-        .filter(|s| {
-            s.model_sha256 == m.model.source.sha256 && s.per_layer.len() == m.model.n_layers
-        }))
+    Ok(kvreplay_traces::Sensitivity::of(trace).map_err(ReplayError::from)?)
 }
 
 /// Run one point on `tr`, the replay of the point's trace (kept across the

@@ -89,6 +89,22 @@ impl Sensitivity {
         Ok(Some(s))
     }
 
+    /// Whether the profile was measured on this model (`model.source.sha256`)
+    /// and has one figure per layer of it: a profile of another model is
+    /// not used.
+    pub fn fits(&self, model: &crate::ModelInfo) -> bool {
+        self.model_sha256 == model.source.sha256 && self.per_layer.len() == model.n_layers
+    }
+
+    /// The profile stored with `trace` when it was measured on the trace's
+    /// own model (`model.source.sha256`) and has one figure per layer;
+    /// None without one or for another model's (it is not used).
+    pub fn of(trace: &crate::Trace) -> Result<Option<Sensitivity>, TraceError> {
+        let m = &trace.manifest.model;
+        Ok(Sensitivity::read(trace.dir())?
+            .filter(|s| s.model_sha256 == m.source.sha256 && s.per_layer.len() == m.n_layers))
+    }
+
     /// Write the profile into the trace at `dir` (a temporary file renamed
     /// into place: never half-written).
     pub fn write(&self, dir: &Path) -> Result<(), TraceError> {

@@ -133,10 +133,12 @@ pub struct InLoop {
     /// Per (layer, query head): Σ over steps of ‖o − o_full‖ / ‖o_full‖,
     /// o_full the attention of the same query over the uncompressed cache
     /// (the compressed model's own keys and values): replay's rel_l2
-    /// without teacher forcing.
+    /// without teacher forcing. Measured with a reference only (empty
+    /// otherwise: it attends over a second, uncompressed cache).
     pub rel_l2: Vec<Vec<f64>>,
     /// Per (layer, query head): Σ over steps of ‖q − q_ref‖ / ‖q_ref‖
-    /// against the reference run's queries (query drift), when given.
+    /// against the reference run's queries (query drift), with a reference
+    /// only.
     pub drift: Vec<Vec<f64>>,
     /// Per step, per layer: the queries (n_heads · head_dim).
     pub queries: Vec<Vec<Vec<f32>>>,
@@ -262,9 +264,10 @@ impl Perturb {
 }
 
 /// [`decode_compressed`], with one layer's attention outputs perturbed
-/// (`perturb`) after the policy's cache has produced them, and the query
-/// drift measured against `reference` (per step, per layer, the queries of
-/// the uncompressed run: its `in_loop.queries`).
+/// (`perturb`) after the policy's cache has produced them; with a
+/// `reference` (per step, per layer, the queries of the uncompressed run:
+/// its `in_loop.queries`), the in-loop error and the query drift are
+/// measured too ([`InLoop`]).
 #[allow(clippy::too_many_arguments)]
 pub fn decode_with(
     model: &Model,
@@ -294,14 +297,19 @@ pub fn decode_with(
         }
         sessions.push((g, session));
     }
-    // every layer uncompressed, for the in-loop error of the same query
+    // with a reference, every layer also uncompressed, for the in-loop
+    // error of the same query
     static FULL: kvreplay_replay::policies::full::Full = kvreplay_replay::policies::full::Full;
-    let mut full: Vec<Session> = (0..nl)
-        .map(|l| Session::prefill_group(&FULL, &[&pre.layers[l]], b))
-        .collect::<Result<_, _>>()?;
+    let mut full: Vec<Session> = match reference {
+        Some(_) => (0..nl)
+            .map(|l| Session::prefill_group(&FULL, &[&pre.layers[l]], b))
+            .collect::<Result<_, _>>()?,
+        None => Vec::new(),
+    };
+    let sums = vec![vec![0.0; nh]; if reference.is_some() { nl } else { 0 }];
     let mut in_loop = InLoop {
-        rel_l2: vec![vec![0.0; nh]; nl],
-        drift: vec![vec![0.0; nh]; nl],
+        rel_l2: sums.clone(),
+        drift: sums,
         queries: Vec::new(),
         steps: n,
     };
@@ -334,12 +342,12 @@ pub fn decode_with(
                     (&k[g * d..(g + 1) * d], &v[g * d..(g + 1) * d])
                 });
                 let window = pre.layers[l].window;
-                full[l].append(0, pos, |g| (&k[g * d..(g + 1) * d], &v[g * d..(g + 1) * d]));
+                if let Some(f) = full.get_mut(l) {
+                    f.append(0, pos, |g| (&k[g * d..(g + 1) * d], &v[g * d..(g + 1) * d]));
+                }
                 for h in 0..nh {
                     let cache = &session.caches(li)[session.cache_of(li, h)];
                     let qh = &q[h * d..(h + 1) * d];
-                    let fc = &full[l].caches(0)[full[l].cache_of(0, h)];
-                    attend_head(qh, fc, cfg.attn_scale, (pos, window), &mut o_full);
                     probs[l][h] = attend_head(
                         &q[h * d..(h + 1) * d],
                         cache,
@@ -352,8 +360,10 @@ pub fn decode_with(
                     {
                         pt.apply(i, h, &mut o[h * d..(h + 1) * d]);
                     }
-                    il.rel_l2[l][h] += rel_diff(&o[h * d..(h + 1) * d], &o_full);
-                    if let Some(r) = reference {
+                    if let (Some(r), Some(f)) = (reference, full.get(l)) {
+                        let fc = &f.caches(0)[f.cache_of(0, h)];
+                        attend_head(qh, fc, cfg.attn_scale, (pos, window), &mut o_full);
+                        il.rel_l2[l][h] += rel_diff(&o[h * d..(h + 1) * d], &o_full);
                         il.drift[l][h] += rel_diff(qh, &r[i][l][h * d..(h + 1) * d]);
                     }
                 }

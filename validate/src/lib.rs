@@ -23,7 +23,7 @@ use kvreplay_replay::{Budget, PolicySpec, ReplayResult};
 use kvreplay_traces::Trace;
 use serde::{Deserialize, Serialize};
 
-use closed_loop::{decode_compressed, decode_full, prefill, Feed};
+use closed_loop::{decode_compressed, prefill, Feed};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ValidateError {
@@ -219,9 +219,10 @@ pub fn validate_trace(
     let ids = &m.tokens.ids;
     let cont = &ids[p..p + n];
     let pre = prefill(model, &ids[..p], p + n)?;
-    let full = decode_full(model, &pre, cont, n, Feed::Teacher)?;
-    // the uncompressed run's queries, for the compressed runs' query drift
-    let reference = closed_loop::decode_with(
+    // the uncompressed run, through the closed loop's hook: its logits are
+    // `decode_full`'s bit for bit (tests/closed_loop.rs), and its queries
+    // are the reference of the compressed runs' query drift
+    let full = closed_loop::decode_with(
         model,
         &pre,
         &kvreplay_replay::policies::full::Full,
@@ -231,9 +232,8 @@ pub fn validate_trace(
         Feed::Teacher,
         None,
         None,
-    )?
-    .in_loop
-    .queries;
+    )?;
+    let reference = &full.in_loop.queries;
     let full_ppl = (cont[1..]
         .iter()
         .zip(&full.logits)
@@ -243,13 +243,9 @@ pub fn validate_trace(
         .exp();
     let needle = needle_digits(&trace, model);
     // the trace's depth-sensitivity profile: stored with it, measured once
-    let profile = match kvreplay_traces::Sensitivity::read(trace_dir)? {
-        Some(s)
-            if s.model_sha256 == model.source.sha256 && s.per_layer.len() == m.model.n_layers =>
-        {
-            s
-        }
-        _ => {
+    let profile = match kvreplay_traces::Sensitivity::of(&trace)? {
+        Some(s) => s,
+        None => {
             let s = sensitivity::measure(model, &pre, &full, cont, Default::default(), &mut |l| {
                 progress(0, total, &format!("{name} sensitivity of layer {l}"))
             })?;
@@ -273,7 +269,7 @@ pub fn validate_trace(
                 n,
                 Feed::Teacher,
                 None,
-                Some(&reference),
+                Some(reference),
             )?;
             let il = &tf.in_loop;
             let fr = decode_compressed(model, &pre, policy.as_ref(), b, cont, n, Feed::Greedy)?;

@@ -137,10 +137,8 @@ pub fn for_trace(
     let m = &trace.manifest;
     crate::check_model(&trace, trace_dir, model)?;
     if !force {
-        if let Some(s) = Sensitivity::read(trace_dir)? {
-            if s.model_sha256 == model.source.sha256 && s.per_layer.len() == m.model.n_layers {
-                return Ok((s, false));
-            }
+        if let Some(s) = Sensitivity::of(&trace)? {
+            return Ok((s, false));
         }
     }
     let (p, n) = (m.prompt_len(), m.generation.n_decode);
