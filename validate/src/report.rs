@@ -1,6 +1,7 @@
 //! validation.csv, the predictor table (all points and held-out traces), the
 //! points where replay misleads, a scatter plot and report.md.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use kvreplay_analysis::stats::{ranks, spearman};
@@ -49,7 +50,7 @@ pub struct Summary {
     pub calibrated: Vec<Correlation>,
     /// The factors fitted on the selection traces (all points with one
     /// trace): median of end-to-end KL / predicted KL per family and overall.
-    pub family_scale: std::collections::BTreeMap<String, f64>,
+    pub family_scale: BTreeMap<String, f64>,
     pub overall_scale: f64,
     /// Points ranked far apart by replay rel_l2 and by end-to-end KL.
     pub disagreements: Vec<String>,
@@ -191,7 +192,7 @@ pub fn summarise(rows: &[Row]) -> Summary {
             })
         };
         let overall = median(fit_rows.iter().map(ratio).collect()).unwrap_or(0.0);
-        let by = |key: &dyn Fn(&Row) -> &str| -> std::collections::BTreeMap<String, f64> {
+        let by = |key: &dyn Fn(&Row) -> &str| -> BTreeMap<String, f64> {
             let mut keys: Vec<&str> = fit_rows.iter().map(|r| key(r)).collect();
             keys.sort();
             keys.dedup();
@@ -208,8 +209,9 @@ pub fn summarise(rows: &[Row]) -> Summary {
             by(&|r| r.policy.as_str()),
         )
     };
-    let calibrate = |fit_rows: &[&Row], per_policy: bool| -> Vec<f64> {
-        let (overall, fam, pol) = fit(fit_rows);
+    type Fit = (f64, BTreeMap<String, f64>, BTreeMap<String, f64>);
+    let calibrate = |(overall, fam, pol): &Fit, per_policy: bool| -> Vec<f64> {
+        let overall = *overall;
         rows.iter()
             .map(|r| {
                 let f = fam.get(&r.family).copied().unwrap_or(overall);
@@ -222,19 +224,21 @@ pub fn summarise(rows: &[Row]) -> Summary {
             })
             .collect()
     };
-    let sel_or_all: Vec<&Row> = if held_rows.is_empty() {
-        all.clone()
+    // fitted once per split: on the selection traces, and on the other families
+    let trace_fit = fit(if held_rows.is_empty() {
+        &all
     } else {
-        sel_rows.clone()
-    };
+        &sel_rows
+    });
+    let family_fit = fit(&fam_sel);
     let calibrated: Vec<Correlation> = [
         ("predicted KL calibrated per family", false),
         ("predicted KL calibrated per policy", true),
     ]
     .iter()
     .map(|&(name, per_policy)| {
-        let by_trace = calibrate(&sel_or_all, per_policy);
-        let fam_cal = calibrate(&fam_sel, per_policy);
+        let by_trace = calibrate(&trace_fit, per_policy);
+        let fam_cal = calibrate(&family_fit, per_policy);
         let rho_of = |v: &[f64], keep: &dyn Fn(&Row) -> bool| {
             let (x, y): (Vec<f64>, Vec<f64>) = rows
                 .iter()
@@ -259,7 +263,7 @@ pub fn summarise(rows: &[Row]) -> Summary {
         }
     })
     .collect();
-    let (overall_ln, fam_ln, _) = fit(&sel_or_all);
+    let (overall_ln, fam_ln, _) = trace_fit;
     let mut families: Vec<String> = rows.iter().map(|r| r.family.clone()).collect();
     families.sort();
     families.dedup();
@@ -385,7 +389,7 @@ pub fn write(out: &Path, rows: &[Row], command: &str) -> Result<Summary, Validat
                 c.predictor,
                 c.family_selection.unwrap_or(f64::NAN),
                 c.family_held_out.unwrap_or(f64::NAN),
-                c.needle_auc.map_or("-".into(), |a| format!("{a:.3}"))
+                cell(c.needle_auc)
             );
         }
         md += &format!(
@@ -407,9 +411,9 @@ pub fn write(out: &Path, rows: &[Row], command: &str) -> Result<Summary, Validat
             "| {} | {:.3} | {} | {} | {} |\n",
             c.predictor,
             c.all,
-            c.held_out.map_or("-".into(), |x| format!("{x:.3}")),
-            c.family_selection.map_or("-".into(), |x| format!("{x:.3}")),
-            c.family_held_out.map_or("-".into(), |x| format!("{x:.3}"))
+            cell(c.held_out),
+            cell(c.family_selection),
+            cell(c.family_held_out)
         );
     }
     md += "\n";
@@ -419,8 +423,8 @@ pub fn write(out: &Path, rows: &[Row], command: &str) -> Result<Summary, Validat
             "| {} | {:.3} | {} | {} |\n",
             c.predictor,
             c.all,
-            c.held_out.map_or("-".into(), |x| format!("{x:.3}")),
-            c.family_held_out.map_or("-".into(), |x| format!("{x:.3}"))
+            cell(c.held_out),
+            cell(c.family_held_out)
         );
     }
     md += "\nQuery drift (mean relative L2 distance of the compressed run's queries from the uncompressed run's, over layers, heads and decode steps) by policy family:\n\n| family | points | query drift | mean end-to-end KL |\n|---|---|---|---|\n";
@@ -439,6 +443,11 @@ pub fn write(out: &Path, rows: &[Row], command: &str) -> Result<Summary, Validat
     let rp = out.join("report.md");
     std::fs::write(&rp, md).map_err(io(&rp))?;
     Ok(s)
+}
+
+/// A table cell: the figure to 3 decimals, or "-" where there is none.
+fn cell(x: Option<f64>) -> String {
+    x.map_or("-".into(), |x| format!("{x:.3}"))
 }
 
 fn scatter(path: &Path, rows: &[Row]) -> Result<(), Box<dyn std::error::Error>> {
