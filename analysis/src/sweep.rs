@@ -716,13 +716,6 @@ fn prepare(out: &Path, plan: &Plan) -> Result<Vec<String>, SweepError> {
     Ok(notices)
 }
 
-/// The trace's depth-sensitivity profile, when it has one measured with
-/// the trace's own model and layer count (a profile of another model is
-/// ignored; an unreadable one is an error naming the file).
-fn profile_of(trace: &Trace) -> Result<Option<kvreplay_traces::Sensitivity>, SweepError> {
-    Ok(kvreplay_traces::Sensitivity::of(trace).map_err(ReplayError::from)?)
-}
-
 /// Run one point on `tr`, the replay of the point's trace (kept across the
 /// trace's points, so budget-independent work is done once per trace).
 fn run_point(plan: &Plan, p: &Point, tr: &TraceReplay) -> Result<PointResult, SweepError> {
@@ -781,7 +774,11 @@ fn run_point(plan: &Plan, p: &Point, tr: &TraceReplay) -> Result<PointResult, Sw
             kept as f64 / ((s.end - s.start) * heads * r.layers.len()) as f64
         });
     let family = kvreplay_replay::policies::family_of(&short);
-    let profile = profile_of(trace)?.map(|s| r.predicted_kl(&s, family));
+    // the trace's profile when it fits its model (an unreadable one is an
+    // error naming the file, so the point is recorded as failed)
+    let profile = kvreplay_traces::Sensitivity::of(trace)
+        .map_err(ReplayError::from)?
+        .map(|s| r.predicted_kl(&s, family));
     let summary = SummaryRow {
         trace: name,
         policy: short,

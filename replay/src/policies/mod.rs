@@ -119,10 +119,7 @@ pub static REGISTRY: &[&PolicyInfo] = &[
 /// (a Python policy).
 pub fn family_of(spec: &str) -> &'static str {
     let base = spec.split([':', '+']).next().unwrap_or(spec);
-    REGISTRY
-        .iter()
-        .find(|i| i.name == base)
-        .map_or("external", |i| i.caps.family.name())
+    find(base).map_or("external", |i| i.caps.family.name())
 }
 
 pub fn find(name: &str) -> Option<&'static PolicyInfo> {
