@@ -113,7 +113,35 @@ impl ColumnBlocks {
                 }
             }
         };
-        for b in 0..self.blocks() {
+        let mut b = 0;
+        #[cfg(target_arch = "x86_64")]
+        if fast {
+            // two blocks against four rows: eight independent sums in flight
+            while b + 2 <= self.blocks() {
+                let cols = &self.data[b * 4 * d..(b + 2) * 4 * d];
+                let mut i = 0;
+                while i + 4 <= na {
+                    // SAFETY: AVX2 and FMA are present; cols holds two blocks
+                    // of 4d floats, each row d.
+                    let r =
+                        unsafe { block2_dots_avx2(&rows[i..i + 4].try_into().unwrap(), cols, d) };
+                    for (k, rk) in r.into_iter().enumerate() {
+                        put(i + k, b, rk[0]);
+                        put(i + k, b + 1, rk[1]);
+                    }
+                    i += 4;
+                }
+                for (k, x) in rows.iter().enumerate().skip(i) {
+                    for bb in [b, b + 1] {
+                        let col = &self.data[bb * 4 * d..(bb + 1) * 4 * d];
+                        // SAFETY: as above.
+                        put(k, bb, unsafe { block_dots_avx2::<1>(&[x], col)[0] });
+                    }
+                }
+                b += 2;
+            }
+        }
+        for b in b..self.blocks() {
             let col = &self.data[b * 4 * d..(b + 1) * 4 * d];
             let mut i = 0;
             #[cfg(target_arch = "x86_64")]
@@ -183,16 +211,30 @@ pub fn dots_norms_at(
         && std::is_x86_feature_detected!("avx2")
         && std::is_x86_feature_detected!("fma")
     {
-        while j0 + 4 <= idx.len() {
-            let r =
-                [idx[j0], idx[j0 + 1], idx[j0 + 2], idx[j0 + 3]].map(|j| rows[j * d..].as_ptr());
-            // SAFETY: AVX2 and FMA are present; each of the four rows holds d
-            // floats (checked above) and d is a multiple of 4.
-            let (v, q) = unsafe { dots4_rows_avx2(&x64, r, sq.is_some()) };
+        let ptrs = |j0: usize| {
+            [idx[j0], idx[j0 + 1], idx[j0 + 2], idx[j0 + 3]].map(|j| rows[j * d..].as_ptr())
+        };
+        let squares = sq.is_some();
+        let mut put = |j0: usize, (v, q): ([f64; 4], [f64; 4])| {
             out[j0..j0 + 4].copy_from_slice(&v);
             if let Some(s) = sq.as_deref_mut() {
                 s[j0..j0 + 4].copy_from_slice(&q);
             }
+        };
+        while j0 + 16 <= idx.len() {
+            let r = [ptrs(j0), ptrs(j0 + 4), ptrs(j0 + 8), ptrs(j0 + 12)];
+            // SAFETY: AVX2 and FMA are present; each of the rows holds d
+            // floats (checked above) and d is a multiple of 4.
+            let res = unsafe { dots4_rows_avx2::<4>(&x64, r, squares) };
+            for (g, vq) in res.into_iter().enumerate() {
+                put(j0 + 4 * g, vq);
+            }
+            j0 += 16;
+        }
+        while j0 + 4 <= idx.len() {
+            // SAFETY: as above.
+            let [vq] = unsafe { dots4_rows_avx2::<1>(&x64, [ptrs(j0)], squares) };
+            put(j0, vq);
             j0 += 4;
         }
     }
@@ -205,42 +247,53 @@ pub fn dots_norms_at(
     }
 }
 
+/// `G` groups of four rows (`r`, each d floats) against `x`: per group the
+/// four sums (and, with `squares`, the rows' own Σ row[t]²), G independent
+/// FMA chains so that their latencies overlap.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dots4_rows_avx2(x: &[f64], r: [*const f32; 4], squares: bool) -> ([f64; 4], [f64; 4]) {
+unsafe fn dots4_rows_avx2<const G: usize>(
+    x: &[f64],
+    r: [[*const f32; 4]; G],
+    squares: bool,
+) -> [([f64; 4], [f64; 4]); G] {
     use std::arch::x86_64::*;
-    let mut acc = _mm256_set1_pd(-0.0);
-    let mut sq = _mm256_set1_pd(-0.0);
+    let mut acc = [_mm256_set1_pd(-0.0); G];
+    let mut sq = [_mm256_set1_pd(-0.0); G];
     let mut t = 0;
     while t < x.len() {
-        let (a, b, c, e) = (
-            _mm_loadu_ps(r[0].add(t)),
-            _mm_loadu_ps(r[1].add(t)),
-            _mm_loadu_ps(r[2].add(t)),
-            _mm_loadu_ps(r[3].add(t)),
-        );
-        // 4 x 4 transpose: column i holds element t + i of the four rows
-        let (ab_lo, ab_hi) = (_mm_unpacklo_ps(a, b), _mm_unpackhi_ps(a, b));
-        let (ce_lo, ce_hi) = (_mm_unpacklo_ps(c, e), _mm_unpackhi_ps(c, e));
-        let cols = [
-            _mm_movelh_ps(ab_lo, ce_lo),
-            _mm_movehl_ps(ce_lo, ab_lo),
-            _mm_movelh_ps(ab_hi, ce_hi),
-            _mm_movehl_ps(ce_hi, ab_hi),
-        ];
-        for (i, col) in cols.into_iter().enumerate() {
-            let y = _mm256_cvtps_pd(col);
-            acc = _mm256_fmadd_pd(_mm256_set1_pd(*x.get_unchecked(t + i)), y, acc);
-            if squares {
-                sq = _mm256_fmadd_pd(y, y, sq);
+        for g in 0..G {
+            let (a, b, c, e) = (
+                _mm_loadu_ps(r[g][0].add(t)),
+                _mm_loadu_ps(r[g][1].add(t)),
+                _mm_loadu_ps(r[g][2].add(t)),
+                _mm_loadu_ps(r[g][3].add(t)),
+            );
+            // 4 x 4 transpose: column i holds element t + i of the four rows
+            let (ab_lo, ab_hi) = (_mm_unpacklo_ps(a, b), _mm_unpackhi_ps(a, b));
+            let (ce_lo, ce_hi) = (_mm_unpacklo_ps(c, e), _mm_unpackhi_ps(c, e));
+            let cols = [
+                _mm_movelh_ps(ab_lo, ce_lo),
+                _mm_movehl_ps(ce_lo, ab_lo),
+                _mm_movelh_ps(ab_hi, ce_hi),
+                _mm_movehl_ps(ce_hi, ab_hi),
+            ];
+            for (i, col) in cols.into_iter().enumerate() {
+                let y = _mm256_cvtps_pd(col);
+                acc[g] = _mm256_fmadd_pd(_mm256_set1_pd(*x.get_unchecked(t + i)), y, acc[g]);
+                if squares {
+                    sq[g] = _mm256_fmadd_pd(y, y, sq[g]);
+                }
             }
         }
         t += 4;
     }
-    let (mut out, mut q) = ([0f64; 4], [0f64; 4]);
-    _mm256_storeu_pd(out.as_mut_ptr(), acc);
-    _mm256_storeu_pd(q.as_mut_ptr(), sq);
-    (out, q)
+    let mut out = [([0f64; 4], [0f64; 4]); G];
+    for g in 0..G {
+        _mm256_storeu_pd(out[g].0.as_mut_ptr(), acc[g]);
+        _mm256_storeu_pd(out[g].1.as_mut_ptr(), sq[g]);
+    }
+    out
 }
 
 /// R rows of `x` against one block: R × 4 sums, one FMA per (row, t).
@@ -263,6 +316,32 @@ unsafe fn block_dots_avx2<const R: usize>(x: &[&[f64]; R], col: &[f32]) -> [[f64
     out
 }
 
+/// Four rows of `x` against two consecutive blocks (`cols`: 8d floats):
+/// 4 × 2 × 4 sums, eight independent FMA chains (each sum still in t order).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block2_dots_avx2(x: &[&[f64]; 4], cols: &[f32], d: usize) -> [[[f64; 4]; 2]; 4] {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm256_set1_pd(-0.0); 2]; 4];
+    let (c0, c1) = (cols.as_ptr(), cols.as_ptr().add(4 * d));
+    for t in 0..d {
+        let y0 = _mm256_cvtps_pd(_mm_loadu_ps(c0.add(4 * t)));
+        let y1 = _mm256_cvtps_pd(_mm_loadu_ps(c1.add(4 * t)));
+        for r in 0..4 {
+            let xr = _mm256_set1_pd(*x[r].get_unchecked(t));
+            acc[r][0] = _mm256_fmadd_pd(xr, y0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_pd(xr, y1, acc[r][1]);
+        }
+    }
+    let mut out = [[[0f64; 4]; 2]; 4];
+    for r in 0..4 {
+        for c in 0..2 {
+            _mm256_storeu_pd(out[r][c].as_mut_ptr(), acc[r][c]);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -280,6 +359,9 @@ mod tests {
             (9, 13, 3),
             (4, 8, 16),
             (0, 3, 8),
+            // two-block tiles with rows and a block left over; 16-row groups
+            (6, 21, 8),
+            (9, 37, 64),
         ] {
             let a: Vec<f32> = (0..na * d).map(|i| f(i, 1)).collect();
             let b: Vec<f32> = (0..nb * d).map(|i| f(i, 2)).collect();

@@ -29,7 +29,9 @@ impl D2o {
         let kept_norm: Vec<f64> = if evict.len() >= 4 {
             // many rows (the first compression): the kept rows transposed once
             let gather = |idx: &[usize]| -> Vec<f32> {
-                idx.iter().flat_map(|&e| row(e).iter().copied()).collect()
+                let mut out = Vec::with_capacity(idx.len() * d);
+                idx.iter().for_each(|&e| out.extend_from_slice(row(e)));
+                out
             };
             ColumnBlocks::of_rows(&gather(kept), d).dots(&gather(evict), &mut ab);
             kept.iter().map(|&k| l2_norm(row(k))).collect()
