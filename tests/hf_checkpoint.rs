@@ -39,7 +39,7 @@ fn hf_checkpoint_converted_from_the_gguf_captures_the_same() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("smollm2-hf");
-    let o = Command::new(&python)
+    let o = common::python_cmd(&python)
         .arg(Path::new(ROOT).join("scripts/gguf_to_hf.py"))
         .arg(&gguf)
         .arg(&dir)

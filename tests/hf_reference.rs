@@ -22,7 +22,7 @@ fn tiny_hf_checkpoints_match_the_numpy_reference() {
     let Some(python) = python() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let script = Path::new(ROOT).join("scripts/reference_hf.py");
-    let o = Command::new(&python)
+    let o = common::python_cmd(&python)
         .arg(&script)
         .arg("make-tiny")
         .arg(tmp.path())
@@ -50,7 +50,7 @@ fn tiny_hf_checkpoints_match_the_numpy_reference() {
             out.to_str().unwrap(),
         ]);
         assert!(o.status.success(), "{fam}: capture failed:\n{}", text(&o));
-        let o = Command::new(&python)
+        let o = common::python_cmd(&python)
             .arg(&script)
             .args(["check", "--checkpoint"])
             .arg(&dir)

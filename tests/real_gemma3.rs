@@ -131,7 +131,7 @@ fn gemma3_capture_matches_independent_reference() {
         18 * 4,
         "every (layer, head) of the 18 layers and 4 heads"
     );
-    let o = Command::new(python)
+    let o = common::python_cmd(&python)
         .arg(Path::new(ROOT).join("scripts/reference_gemma3.py"))
         .args([
             "--model",
@@ -220,7 +220,7 @@ fn gemma3_suite_prompts_tokenize_like_sentencepiece() {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("ids.json");
     std::fs::write(&file, serde_json::to_string(&items).unwrap()).unwrap();
-    let o = Command::new(python)
+    let o = common::python_cmd(&python)
         .arg(Path::new(ROOT).join("scripts/reference_gemma3.py"))
         .args(["--model", model_path.to_str().unwrap(), "--check-ids"])
         .arg(&file)

@@ -41,7 +41,7 @@ fn capture_matches_independent_reference() {
     let o = kvreplay(&["verify", out.to_str().unwrap()]);
     assert!(o.status.success(), "verify failed:\n{}", text(&o));
     println!("{}", text(&o));
-    let o = Command::new(python)
+    let o = common::python_cmd(&python)
         .arg(Path::new(ROOT).join("scripts/reference_llama.py"))
         .args([
             "--model",

@@ -466,7 +466,10 @@ fn sweep_csvs_load_in_pandas() {
         out.join("results.csv"),
         out.join("summary.csv")
     );
-    let o = Command::new(python).args(["-c", &script]).output().unwrap();
+    let o = common::python_cmd(&python)
+        .args(["-c", &script])
+        .output()
+        .unwrap();
     assert!(
         o.status.success(),
         "{}{}",
@@ -485,7 +488,7 @@ fn assert_matches_numpy(specs: &[&str], tol: f64) {
     let Some(python) = common::python() else {
         return;
     };
-    let o = Command::new(python)
+    let o = common::python_cmd(&python)
         .arg(std::path::Path::new(common::ROOT).join("scripts/reference_replay.py"))
         .arg(dir)
         .args(["--budgets", "32,128", "--policies", &specs.join(";")])

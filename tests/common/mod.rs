@@ -53,6 +53,19 @@ pub fn python() -> Option<PathBuf> {
     )
 }
 
+/// A command running the reference Python `python` with its BLAS on one
+/// thread. cargo runs a binary's tests two at a time, and two NumPy
+/// processes whose OpenBLAS threads spin against each other on this 2-core
+/// machine took 5x longer: 47 s against 9.4 s for the same two reference
+/// runs (tests/replay_real.rs's NumPy comparisons).
+pub fn python_cmd(python: &Path) -> Command {
+    let mut c = Command::new(python);
+    for var in ["OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"] {
+        c.env(var, "1");
+    }
+    c
+}
+
 pub fn kvreplay(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kvreplay"))
         .args(args)
