@@ -205,5 +205,28 @@ fn capture_ops(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, decode, capture_ops);
+/// The policies' f64 similarity dots (`dots64`) at D2O's shapes: its first
+/// compression matches 1,024 evicted rows against 1,024 kept ones; a decode
+/// step matches one evicted row against the kept rows it indexes.
+fn similarity(c: &mut Criterion) {
+    let d = 64;
+    let mut g = c.benchmark_group("similarity");
+    let (na, nb) = (1024usize, 1024usize);
+    let (a, b) = (data(na * d, 7), data(nb * d, 8));
+    let blocks = cpu::ColumnBlocks::of_rows(&b, d);
+    let mut out = vec![0f64; na * nb];
+    g.throughput(Throughput::Elements((2 * na * nb * d) as u64));
+    g.bench_function("column_blocks_dots/1024x1024", |bn| {
+        bn.iter(|| blocks.dots(black_box(&a), &mut out))
+    });
+    let idx: Vec<usize> = (0..nb).rev().collect();
+    let (mut at, mut sq) = (vec![0f64; nb], vec![0f64; nb]);
+    g.throughput(Throughput::Elements((2 * nb * d) as u64));
+    g.bench_function("dots_norms_at/1x1024", |bn| {
+        bn.iter(|| cpu::dots_norms_at(black_box(&a[..d]), &b, d, &idx, &mut at, Some(&mut sq)))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, decode, capture_ops, similarity);
 criterion_main!(benches);
