@@ -6,7 +6,6 @@
 //! Python environment; fails then under KVREPLAY_REQUIRE_MODEL=1.
 
 use std::path::Path;
-use std::process::Command;
 
 mod common;
 

@@ -11,7 +11,6 @@
 //! KVREPLAY_REQUIRE_MODEL=1.
 
 use std::path::Path;
-use std::process::Command;
 
 mod common;
 

@@ -5,7 +5,6 @@
 //! KVREPLAY_REQUIRE_MODEL=1 (scripts/test.sh fetches it).
 
 use std::path::Path;
-use std::process::Command;
 
 mod common;
 

@@ -5,7 +5,6 @@
 //! without the model prints why each one did not run.
 
 use std::path::Path;
-use std::process::Command;
 
 mod common;
 
