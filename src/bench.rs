@@ -332,7 +332,7 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
             worst[0], worst[1], worst[2], worst[3]
         );
     } else {
-        println!("vs NumPy reference: not run (no Python with numpy and safetensors; run scripts/setup-reference.sh)");
+        println!("vs NumPy reference: not run (--no-numpy, or no Python with numpy and safetensors: run scripts/setup-reference.sh)");
     }
 
     // 3. The full sweep: every registered policy x 6 budgets, cold start,
@@ -359,27 +359,54 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
     // the 17-policy sweep is timed when the list starts with them
     let has_core =
         policies.len() >= CORE_POLICIES.len() && policies[..CORE_POLICIES.len()] == CORE_POLICIES;
-    let (total, per_policy, points) = timed_sweep(&trace, &policies, &SWEEP_BUDGETS)?;
-    let per_point = total / points.len() as f64;
+    // each repetition from a cold start; the medians are reported
+    let mut runs = Vec::new();
+    for _ in 0..b.reps.max(1) {
+        runs.push(timed_sweep(&trace, &policies, &SWEEP_BUDGETS)?);
+    }
+    let med = |f: &dyn Fn(&SweepTiming) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
+    let total = med(&|r| r.0);
+    // (policy, its seconds, seconds since the sweep started), each a median
+    let per_policy: Vec<(String, f64, f64)> = (0..policies.len())
+        .map(|i| {
+            (
+                policies[i].to_string(),
+                med(&|r| r.1[i].1),
+                med(&|r| r.1[i].2),
+            )
+        })
+        .collect();
+    let points = runs[0].2.len();
+    let per_point = total / points as f64;
     let core_points = CORE_POLICIES.len() * SWEEP_BUDGETS.len();
     // (seconds of the 17-policy sweep, cold start included; per point)
     let core = has_core.then(|| {
         let t = per_policy[CORE_POLICIES.len() - 1].2;
         (t, t / core_points as f64)
     });
+    let each = |f: &dyn Fn(&SweepTiming) -> f64| {
+        runs.iter()
+            .map(|r| format!("{:.2}", f(r)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     if let Some((core_total, core_per_point)) = core {
         println!(
-            "sweep of the performance issue's {} policies x {} budgets = {core_points} points in {core_total:.2} s ({core_per_point:.3} s per point)",
+            "sweep of the performance issue's {} policies x {} budgets = {core_points} points in {core_total:.2} s ({core_per_point:.3} s per point; median of {} runs [{}] s)",
             CORE_POLICIES.len(),
             SWEEP_BUDGETS.len(),
+            runs.len(),
+            each(&|r| r.1[CORE_POLICIES.len() - 1].2),
         );
     }
     println!(
-        "sweep: {} policies x {} budgets {:?} = {} points in {total:.2} s ({per_point:.3} s per point)",
+        "sweep: {} policies x {} budgets {:?} = {} points in {total:.2} s ({per_point:.3} s per point; median of {} runs [{}] s)",
         policies.len(),
         SWEEP_BUDGETS.len(),
         SWEEP_BUDGETS,
-        points.len()
+        points,
+        runs.len(),
+        each(&|r| r.0),
     );
     for (name, t, _) in &per_policy {
         println!(
@@ -397,11 +424,16 @@ pub fn bench_replay(b: &ReplayBench) -> Result<()> {
         match resolve_model(b.model.clone()) {
             Ok(path) => {
                 let model = Model::load(&path)?;
-                let secs = time_rerun(&model, &m.tokens.ids, m.prompt_len())?;
+                let mut times = Vec::new();
+                for _ in 0..b.reps.max(1) {
+                    times.push(time_rerun(&model, &m.tokens.ids, m.prompt_len())?);
+                }
+                let secs = median(&mut times);
                 print!(
-                    "model rerun (prefill {} + decode {} tokens): {secs:.2} s = {:.0} sweep points per rerun-equivalent",
+                    "model rerun (prefill {} + decode {} tokens, median of {}): {secs:.2} s = {:.0} sweep points per rerun-equivalent",
                     m.prompt_len(),
                     m.generation.n_decode,
+                    times.len(),
                     secs / per_point,
                 );
                 match core {

@@ -36,6 +36,9 @@ pub(super) enum BenchCmd {
         /// GGUF model used when no --trace is given.
         #[arg(long)]
         model: Option<PathBuf>,
+        /// Repetitions of the one-point timing, the sweep and the model
+        /// rerun; their medians are reported (this machine's run-to-run
+        /// spread is ±10%, BENCHMARKS.md)
         #[arg(long, default_value_t = 3)]
         reps: usize,
         /// Python (with numpy, safetensors) to run scripts/reference_replay.py [default: .venv-ref/bin/python if present]
