@@ -9,10 +9,14 @@
 # wheel into .venv-py/), unless KVREPLAY_SKIP_PYTHON is set, and its HF
 # transformers capture tests (scripts/test-python-hf.sh: torch, transformers
 # and gguf into .venv-hf/, several GB on first use), unless KVREPLAY_SKIP_HF is set.
-# Ends with one summary line, "tests: N passed, M failed" (the Slurm test
+# Prints the seconds each phase took ("time per phase: ..."), then ends with
+# one summary line, "tests: N passed, M failed" (the Slurm test
 # counts as one; each pytest test as one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# seconds per phase, printed at the end (where CI time goes)
+phases=() t_phase=$SECONDS
+phase_done() { phases+=("$1 $((SECONDS - t_phase)) s"); t_phase=$SECONDS; }
 scripts/fetch-model.sh all
 scripts/setup-reference.sh
 # NVRTC (no GPU needed) so every CUDA kernel is compile-checked for sm_80/sm_90
@@ -27,6 +31,7 @@ if ! dpkg -s g++ libasan8 libubsan1 libtsan2 >/dev/null 2>&1 && command -v apt-g
 fi
 export KVREPLAY_REQUIRE_EMU=1
 export KVREPLAY_REQUIRE_MODEL=1
+phase_done setup
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
@@ -37,6 +42,7 @@ set -e
 parity=$(cargo test --workspace --release --test parity -q -- --nocapture 2>&1 || true)
 why=$(grep -m1 "CUDA not run" <<<"$parity" | sed 's/^[a-z_]*: //' || true)
 echo "parity suite: ${why:-ran on the CPU and on CUDA}"
+phase_done "cargo build + test"
 # The real Slurm test: a one-node cluster on this machine (scripts/slurm-local.sh).
 slurm_pass=0 slurm_fail=0
 if [ $# -gt 0 ]; then
@@ -52,6 +58,7 @@ else
         *) slurm_fail=1; echo "slurm-local: FAILED (exit status $slurm_status)" ;;
     esac
 fi
+phase_done slurm
 # The Python package (python/): its pytest suites, counted test by test.
 py_pass=0 py_fail=0
 pytest_suite() { # SCRIPT: run it, add its pytest counts to py_pass/py_fail
@@ -74,12 +81,15 @@ if [ -n "${KVREPLAY_SKIP_PYTHON:-}" ]; then
     echo "python: SKIPPED (KVREPLAY_SKIP_PYTHON is set)"
 else
     pytest_suite scripts/test-python.sh
+    phase_done python
     if [ -n "${KVREPLAY_SKIP_HF:-}" ]; then
         echo "python HF capture: SKIPPED (KVREPLAY_SKIP_HF is set)"
     else
         pytest_suite scripts/test-python-hf.sh
+        phase_done "python HF"
     fi
 fi
+echo "time per phase: $(printf '%s; ' "${phases[@]}")"
 awk -v sp="$((slurm_pass + py_pass))" -v sf="$((slurm_fail + py_fail))" \
     '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
      END { printf "tests: %d passed, %d failed\n", p + sp, f + sf }' "$log"
