@@ -13,7 +13,13 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/pip" install -q --disable-pip-version-check "maturin>=1.5,<2" numpy pytest pandas
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
-cargo build --release -q -p kvreplay
+# scripts/test.sh sets KVREPLAY_BIN_BUILT after its `cargo test --workspace
+# --release` has built target/release/kvreplay: `cargo build -p kvreplay`
+# alone resolves other features for the shared crates and would compile the
+# workspace a second time.
+if [ -z "${KVREPLAY_BIN_BUILT:-}" ]; then
+    cargo build --release -q -p kvreplay
+fi
 wheels="$CARGO_TARGET_DIR/wheels"
 rm -f "$wheels"/kvreplay-*.whl
 "$venv/bin/maturin" build --release -q -m python/Cargo.toml -i "$venv/bin/python" -o "$wheels"

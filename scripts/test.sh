@@ -80,6 +80,10 @@ pytest_suite() { # SCRIPT: run it, add its pytest counts to py_pass/py_fail
 if [ -n "${KVREPLAY_SKIP_PYTHON:-}" ]; then
     echo "python: SKIPPED (KVREPLAY_SKIP_PYTHON is set)"
 else
+    # the CLI the pytest suites run is the one cargo test built above
+    if [ "$status" = 0 ] && [ -x target/release/kvreplay ]; then
+        export KVREPLAY_BIN_BUILT=1
+    fi
     pytest_suite scripts/test-python.sh
     phase_done python
     if [ -n "${KVREPLAY_SKIP_HF:-}" ]; then
