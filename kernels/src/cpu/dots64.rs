@@ -73,7 +73,7 @@ impl ColumnBlocks {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             // SAFETY: AVX2 and FMA are present; col holds 4d floats.
-            return unsafe { block_dots_avx2::<1>(&[x], col)[0] };
+            return unsafe { block_dots_avx2::<1, 1>(&[x], col)[0][0] };
         }
         let mut acc = [-0.0f64; 4];
         for (t, xt) in x.iter().enumerate() {
@@ -113,67 +113,68 @@ impl ColumnBlocks {
                 }
             }
         };
+        let blocks = self.blocks();
         let mut b = 0;
-        #[cfg(target_arch = "x86_64")]
-        if fast {
-            // two blocks against four rows: eight independent sums in flight
-            while b + 2 <= self.blocks() {
-                let cols = &self.data[b * 4 * d..(b + 2) * 4 * d];
-                let mut i = 0;
-                while i + 4 <= na {
-                    // SAFETY: AVX2 and FMA are present; cols holds two blocks
-                    // of 4d floats, each row d.
-                    let r =
-                        unsafe { block2_dots_avx2(&rows[i..i + 4].try_into().unwrap(), cols, d) };
-                    for (k, rk) in r.into_iter().enumerate() {
-                        put(i + k, b, rk[0]);
-                        put(i + k, b + 1, rk[1]);
-                    }
-                    i += 4;
-                }
-                for (k, x) in rows.iter().enumerate().skip(i) {
-                    for bb in [b, b + 1] {
-                        let col = &self.data[bb * 4 * d..(bb + 1) * 4 * d];
-                        // SAFETY: as above.
-                        put(k, bb, unsafe { block_dots_avx2::<1>(&[x], col)[0] });
-                    }
-                }
-                b += 2;
-            }
-        }
-        for b in b..self.blocks() {
-            let col = &self.data[b * 4 * d..(b + 1) * 4 * d];
+        while b < blocks {
+            // two blocks at once where two are left: eight independent FMA
+            // chains against four rows (one block: four)
+            let w = if fast && b + 2 <= blocks { 2 } else { 1 };
+            let cols = &self.data[b * 4 * d..(b + w) * 4 * d];
             let mut i = 0;
             #[cfg(target_arch = "x86_64")]
             if fast {
                 while i + 4 <= na {
-                    // SAFETY: AVX2 and FMA are present; col holds 4d floats,
-                    // each row d.
-                    let r =
-                        unsafe { block_dots_avx2::<4>(&rows[i..i + 4].try_into().unwrap(), col) };
-                    for (k, rk) in r.into_iter().enumerate() {
-                        put(i + k, b, rk);
+                    let put = |k: usize, c: usize, v| put(i + k, b + c, v);
+                    match w {
+                        2 => tile::<4, 2>(&rows[i..i + 4], cols, put),
+                        _ => tile::<4, 1>(&rows[i..i + 4], cols, put),
                     }
                     i += 4;
                 }
+                for k in i..na {
+                    let put = |_: usize, c: usize, v| put(k, b + c, v);
+                    match w {
+                        2 => tile::<1, 2>(&rows[k..k + 1], cols, put),
+                        _ => tile::<1, 1>(&rows[k..k + 1], cols, put),
+                    }
+                }
+                i = na;
             }
+            // the portable code (w is 1 here)
             for (k, x) in rows.iter().enumerate().skip(i) {
                 let mut acc = [-0.0f64; 4];
-                if fast {
-                    #[cfg(target_arch = "x86_64")]
-                    {
-                        // SAFETY: as above.
-                        acc = unsafe { block_dots_avx2::<1>(&[x], col)[0] };
-                    }
-                } else {
-                    for (t, xt) in x.iter().enumerate() {
-                        for (j, a) in acc.iter_mut().enumerate() {
-                            *a += xt * col[4 * t + j] as f64;
-                        }
+                for (t, xt) in x.iter().enumerate() {
+                    for (j, a) in acc.iter_mut().enumerate() {
+                        *a += xt * cols[4 * t + j] as f64;
                     }
                 }
                 put(k, b, acc);
             }
+            b += w;
+        }
+    }
+}
+
+/// [`block_dots_avx2`] of `R` rows against the `B` blocks in `cols`, each
+/// block's four sums handed to `put(row, block, sums)`. The CPU must have
+/// AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+fn tile<const R: usize, const B: usize>(
+    rows: &[&[f64]],
+    cols: &[f32],
+    mut put: impl FnMut(usize, usize, [f64; 4]),
+) {
+    let x: &[&[f64]; R] = rows.try_into().expect("R rows");
+    assert!(
+        cols.len() >= B * 4 * x[0].len(),
+        "tile: B blocks of 4d floats"
+    );
+    // SAFETY: the callers checked AVX2 and FMA; cols holds B blocks of 4d
+    // floats (checked above), each row d.
+    let r = unsafe { block_dots_avx2::<R, B>(x, cols) };
+    for (k, rk) in r.into_iter().enumerate() {
+        for (c, v) in rk.into_iter().enumerate() {
+            put(k, c, v);
         }
     }
 }
@@ -296,46 +297,33 @@ unsafe fn dots4_rows_avx2<const G: usize>(
     out
 }
 
-/// R rows of `x` against one block: R × 4 sums, one FMA per (row, t).
+/// R rows of `x` against the B consecutive blocks of `cols` (B · 4d
+/// floats): R × B × 4 sums, R · B independent FMA chains, each sum in t
+/// order.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn block_dots_avx2<const R: usize>(x: &[&[f64]; R], col: &[f32]) -> [[f64; 4]; R] {
+unsafe fn block_dots_avx2<const R: usize, const B: usize>(
+    x: &[&[f64]; R],
+    cols: &[f32],
+) -> [[[f64; 4]; B]; R] {
     use std::arch::x86_64::*;
     let d = x[0].len();
-    let mut acc = [_mm256_set1_pd(-0.0); R];
+    let mut acc = [[_mm256_set1_pd(-0.0); B]; R];
     for t in 0..d {
-        let y = _mm256_cvtps_pd(_mm_loadu_ps(col.as_ptr().add(4 * t)));
+        let mut y = [_mm256_setzero_pd(); B];
+        for (c, yc) in y.iter_mut().enumerate() {
+            *yc = _mm256_cvtps_pd(_mm_loadu_ps(cols.as_ptr().add(c * 4 * d + 4 * t)));
+        }
         for r in 0..R {
-            acc[r] = _mm256_fmadd_pd(_mm256_set1_pd(*x[r].get_unchecked(t)), y, acc[r]);
-        }
-    }
-    let mut out = [[0f64; 4]; R];
-    for r in 0..R {
-        _mm256_storeu_pd(out[r].as_mut_ptr(), acc[r]);
-    }
-    out
-}
-
-/// Four rows of `x` against two consecutive blocks (`cols`: 8d floats):
-/// 4 × 2 × 4 sums, eight independent FMA chains (each sum still in t order).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn block2_dots_avx2(x: &[&[f64]; 4], cols: &[f32], d: usize) -> [[[f64; 4]; 2]; 4] {
-    use std::arch::x86_64::*;
-    let mut acc = [[_mm256_set1_pd(-0.0); 2]; 4];
-    let (c0, c1) = (cols.as_ptr(), cols.as_ptr().add(4 * d));
-    for t in 0..d {
-        let y0 = _mm256_cvtps_pd(_mm_loadu_ps(c0.add(4 * t)));
-        let y1 = _mm256_cvtps_pd(_mm_loadu_ps(c1.add(4 * t)));
-        for r in 0..4 {
             let xr = _mm256_set1_pd(*x[r].get_unchecked(t));
-            acc[r][0] = _mm256_fmadd_pd(xr, y0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_pd(xr, y1, acc[r][1]);
+            for c in 0..B {
+                acc[r][c] = _mm256_fmadd_pd(xr, y[c], acc[r][c]);
+            }
         }
     }
-    let mut out = [[[0f64; 4]; 2]; 4];
-    for r in 0..4 {
-        for c in 0..2 {
+    let mut out = [[[0f64; 4]; B]; R];
+    for r in 0..R {
+        for c in 0..B {
             _mm256_storeu_pd(out[r][c].as_mut_ptr(), acc[r][c]);
         }
     }
