@@ -96,13 +96,11 @@ impl Sensitivity {
         self.model_sha256 == model.source.sha256 && self.per_layer.len() == model.n_layers
     }
 
-    /// The profile stored with `trace` when it was measured on the trace's
-    /// own model (`model.source.sha256`) and has one figure per layer;
-    /// None without one or for another model's (it is not used).
+    /// The profile stored with `trace` when it [`fits`](Self::fits) the
+    /// trace's own model; None without one or for another model's (it is
+    /// not used).
     pub fn of(trace: &crate::Trace) -> Result<Option<Sensitivity>, TraceError> {
-        let m = &trace.manifest.model;
-        Ok(Sensitivity::read(trace.dir())?
-            .filter(|s| s.model_sha256 == m.source.sha256 && s.per_layer.len() == m.n_layers))
+        Ok(Sensitivity::read(trace.dir())?.filter(|s| s.fits(&trace.manifest.model)))
     }
 
     /// Write the profile into the trace at `dir` (a temporary file renamed
