@@ -12,10 +12,12 @@
 
 use std::sync::Arc;
 
+use kvreplay_kernels::cpu::{dot_rows, softmax_f64_norm};
+
 use crate::cache::HeadCache;
 use crate::info::{Build, Caps, PolicyInfo};
 use crate::params::{choice_enum, Kind, ParamInfo, Params};
-use crate::policy::{dot, PrefillCtx, StepCtx};
+use crate::policy::{PrefillCtx, StepCtx};
 use crate::scorer::{Scorer, Selected, StepScorer, Unit};
 use crate::select::{Protect, Tie};
 use crate::ReplayError;
@@ -282,15 +284,19 @@ impl StepScorer for StepGain {
         let gain = self.cfg.gain(count, ctx.budget, self.d);
         let heads = self.heads[ci].clone();
         let nheads = heads.len();
-        let mut inc = vec![0f32; c.len()];
-        for (k, h) in heads.enumerate() {
+        let n = c.len();
+        let mut inc = vec![0f32; n];
+        // every query head's dot products with every entry at once (the same
+        // bits as `dot` pair by pair): (nheads, n)
+        let qs: Vec<f32> = heads.clone().flat_map(|h| ctx.queries[h]).copied().collect();
+        let mut z = vec![0f32; nheads * n];
+        dot_rows(&qs, &c.keys, self.d, &mut z);
+        for k in 0..nheads {
             // SG-softmax over the cache entries with the model's scale and the step gain.
-            let q = ctx.queries[h];
-            let mut z: Vec<f32> = (0..c.len())
-                .map(|e| gain * ctx.scale * dot(q, c.key(e)))
-                .collect();
-            kvreplay_kernels::cpu::softmax_f64_norm(&mut z);
-            self.cfg.agg(&mut inc, &z, k, nheads);
+            let zk = &mut z[k * n..(k + 1) * n];
+            zk.iter_mut().for_each(|x| *x = gain * ctx.scale * *x);
+            softmax_f64_norm(zk);
+            self.cfg.agg(&mut inc, zk, k, nheads);
         }
         f.iter_mut().zip(&inc).for_each(|(a, x)| *a += x);
     }
