@@ -56,6 +56,34 @@ fn decode(c: &mut Criterion) {
             cpu::attend_biased_multi(black_box(&q), &k, &v, &bias, 0.125, &mut w, &mut z, &mut o)
         })
     });
+    // As replay runs it: one query step over each of 8 such caches in turn
+    // (8.6 MB, beyond L2), so keys and values come from L3 as they do there.
+    let caches: Vec<(Vec<f32>, Vec<f32>)> = (0..8u32)
+        .map(|c| (data(n * d, 30 + 2 * c), data(n * d, 31 + 2 * c)))
+        .collect();
+    let (mut x, mut p) = (vec![0f32; nq * n], vec![0f32; nq * n]);
+    g.throughput(Throughput::Elements((8 * nq * n) as u64));
+    g.bench_function(
+        format!("attend_biased_probs/nq={nq},n={n} x 8 caches"),
+        |b| {
+            b.iter(|| {
+                for (k, v) in &caches {
+                    cpu::attend_biased_probs(
+                        black_box(&q),
+                        k,
+                        v,
+                        &bias,
+                        0.125,
+                        &mut w,
+                        &mut z,
+                        &mut o,
+                        &mut x,
+                        &mut p,
+                    )
+                }
+            })
+        },
+    );
     let (a, bm) = (data(64 * d, 4), data(512 * d, 5));
     let mut out = vec![0f32; 64 * 512];
     g.throughput(Throughput::Elements(64 * 512));
