@@ -288,7 +288,11 @@ impl StepScorer for StepGain {
         let mut inc = vec![0f32; n];
         // every query head's dot products with every entry at once (the same
         // bits as `dot` pair by pair): (nheads, n)
-        let qs: Vec<f32> = heads.clone().flat_map(|h| ctx.queries[h]).copied().collect();
+        let qs: Vec<f32> = heads
+            .clone()
+            .flat_map(|h| ctx.queries[h])
+            .copied()
+            .collect();
         let mut z = vec![0f32; nheads * n];
         dot_rows(&qs, &c.keys, self.d, &mut z);
         for k in 0..nheads {
