@@ -82,8 +82,9 @@ impl Policy for D2o {
             .map(|x| ctx.layer_colsum(x, 0).map(|_| x))
             .collect::<Option<Vec<_>>>()
         {
-            Some(_) => {
-                let p_len = p;
+            // every layer's column sums decide this layer's share: the same
+            // for every budget, so once per trace and layer
+            Some(_) => *ctx.memo(LayerShare(self.allocation), || {
                 let all: Vec<Vec<f32>> = (0..nl)
                     .map(|x| {
                         (0..ctx.n_heads())
@@ -94,9 +95,9 @@ impl Policy for D2o {
                 self.layer_shares(
                     &all.iter().map(|v| v.as_slice()).collect::<Vec<_>>(),
                     ctx.n_heads(),
-                    p_len,
+                    p,
                 )[l]
-            }
+            }),
             None => 1.0 / nl as f64,
         };
         let protected_layer = self.protect_layers && (l < 2 || l + 1 == nl);
@@ -139,4 +140,13 @@ impl Policy for D2o {
             )),
         ))
     }
+}
+
+/// Memo key of a layer's share φ_l of the budget under `allocation` (it reads
+/// every layer's prompt column sums and nothing that depends on the budget).
+#[derive(Debug, PartialEq)]
+struct LayerShare(Allocation);
+
+impl crate::memo::MemoKey for LayerShare {
+    type Value = f64;
 }
