@@ -34,7 +34,7 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
 pub fn softmax_f64_norm(x: &mut [f32]) {
     let mx = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
     let mut w = vec![0f64; x.len()];
-    super::exp_shifted(x, mx, &mut w);
+    super::exp::exp_shifted(x, mx, &mut w);
     let sum: f64 = w.iter().sum();
     x.iter_mut()
         .zip(&w)
