@@ -298,7 +298,7 @@ impl StepScorer for StepGain {
         for k in 0..nheads {
             // SG-softmax over the cache entries with the model's scale and the step gain.
             let zk = &mut z[k * n..(k + 1) * n];
-            zk.iter_mut().for_each(|x| *x = gain * ctx.scale * *x);
+            zk.iter_mut().for_each(|x| *x *= gain * ctx.scale);
             softmax_f64_norm(zk);
             self.cfg.agg(&mut inc, zk, k, nheads);
         }
