@@ -23,23 +23,26 @@ def f16(x):
 
 
 def fake_quant(x, bits):
-    """Min-max quantisation of the 1-D group x at `bits`, dequantised."""
-    levels = 2.0 ** bits - 1
-    mn, mx = x.min(), x.max()
+    """Min-max quantisation of each group of x (its last axis) at `bits` (one
+    per group, or one for all), dequantised. Every group is quantised on its
+    own: the same arithmetic, element by element, as one group at a time."""
+    x = np.asarray(x, dtype=np.float64)
+    levels = (2.0 ** np.asarray(bits, dtype=np.float64) - 1) * np.ones(x.shape[:-1])
+    mn, mx = x.min(axis=-1), x.max(axis=-1)
     scale, zero = f16((mx - mn) / levels), f16(mn)
-    if scale <= 0:
-        return np.full_like(x, zero)
-    return np.clip(np.floor((x - zero) / scale + 0.5), 0, levels) * scale + zero
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.clip(np.floor((x - zero[..., None]) / scale[..., None] + 0.5), 0, levels[..., None])
+    # a constant group (scale 0) is its zero
+    return np.where((scale > 0)[..., None], q * scale[..., None] + zero[..., None], zero[..., None])
 
 
 def quant_rows(x, bits, group):
     """Each row of x (n, d) quantised in groups of `group` channels at bits[i] (16: untouched)."""
     out = x.copy()
-    for i, bi in enumerate(bits):
-        if bi >= 16:
-            continue
-        for c0 in range(0, x.shape[1], group):
-            out[i, c0:c0 + group] = fake_quant(x[i, c0:c0 + group], bi)
+    bits = np.asarray(bits)
+    rows = bits < 16
+    for c0 in range(0, x.shape[1], group):
+        out[rows, c0:c0 + group] = fake_quant(x[rows, c0:c0 + group], bits[rows])
     return out
 
 
@@ -146,8 +149,8 @@ def gear_matrix(x, bits, group, rank, outliers, per_channel):
     if per_channel:
         qd = np.empty_like(dm)
         for t0 in range(0, p, group):
-            for c in range(d):
-                qd[t0:t0 + group, c] = fake_quant(dm[t0:t0 + group, c], bits)
+            # each channel's run of positions is one group
+            qd[t0:t0 + group] = fake_quant(dm[t0:t0 + group].T, bits).T
     else:
         qd = quant_rows(dm, [bits] * p, group)
     r = min(rank, p, d)
@@ -202,7 +205,19 @@ def kmeans_1d(z, k, iters):
     return c
 
 
+_KVQUANT_MEMO = {}
+
+
 def kvquant_matrix(x, bits, outliers, n_sink, iters, per_channel):
+    """Memoised: the result does not depend on the budget, so a run over
+    several budgets computes each head's codebook once."""
+    key = (x.shape, x.tobytes(), bits, outliers, n_sink, iters, per_channel)
+    if key not in _KVQUANT_MEMO:
+        _KVQUANT_MEMO[key] = kvquant_matrix_once(x, bits, outliers, n_sink, iters, per_channel)
+    return _KVQUANT_MEMO[key].copy()
+
+
+def kvquant_matrix_once(x, bits, outliers, n_sink, iters, per_channel):
     p, d = x.shape
     s = min(n_sink, p)
     x = x.copy()
