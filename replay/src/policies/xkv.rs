@@ -196,8 +196,24 @@ fn gram_eig(x: &[f64], p: usize, n: usize) -> Eig {
             }
         }
     } else {
-        // (Xᵀ X)_ij = Σ_t x_ti x_tj, accumulated row by row (contiguous)
-        for t in 0..p {
+        // (Xᵀ X)_ij = Σ_t x_ti x_tj, accumulated row by row (contiguous):
+        // four rows per pass over A, each element still adding t in order
+        let mut t = 0;
+        while t + 4 <= p {
+            let r: [&[f64]; 4] = std::array::from_fn(|k| &x[(t + k) * n..(t + k + 1) * n]);
+            for i in 0..m {
+                let xi = [r[0][i], r[1][i], r[2][i], r[3][i]];
+                a[i * m..i * m + i + 1]
+                    .iter_mut()
+                    .zip(r[0][..=i].iter().zip(&r[1][..=i]))
+                    .zip(r[2][..=i].iter().zip(&r[3][..=i]))
+                    .for_each(|((o, (x0, x1)), (x2, x3))| {
+                        *o = (((*o + xi[0] * x0) + xi[1] * x1) + xi[2] * x2) + xi[3] * x3;
+                    });
+            }
+            t += 4;
+        }
+        for t in t..p {
             let row = &x[t * n..(t + 1) * n];
             for i in 0..m {
                 let xi = row[i];
@@ -277,12 +293,13 @@ pub fn symmetric_eig(a: Vec<f64>, m: usize) -> Eig {
             vecs: Vec::new(),
         };
     }
-    let mut v: Vec<Vec<f64>> = (0..m).map(|i| a[i * m..(i + 1) * m].to_vec()).collect();
+    // columns as contiguous rows: tred2 walks columns, and QL rotates pairs of them
+    let mut vt: Vec<Vec<f64>> = (0..m)
+        .map(|c| (0..m).map(|r| a[r * m + c]).collect())
+        .collect();
     let mut d = vec![0f64; m];
     let mut e = vec![0f64; m];
-    tred2(&mut v, &mut d, &mut e);
-    // QL rotates pairs of columns: hold them as contiguous rows
-    let mut vt: Vec<Vec<f64>> = (0..m).map(|j| (0..m).map(|k| v[k][j]).collect()).collect();
+    tred2(&mut vt, &mut d, &mut e);
     tql2(&mut vt, &mut d, &mut e);
     let mut order: Vec<usize> = (0..m).collect();
     order.sort_by(|&x, &y| d[y].total_cmp(&d[x]).then(x.cmp(&y)));
@@ -296,10 +313,17 @@ pub fn symmetric_eig(a: Vec<f64>, m: usize) -> Eig {
     Eig { m, vals, vecs }
 }
 
+/// EISPACK tred2 on the transpose: `w[c][r]` holds element (r, c) of the
+/// matrix on entry (only its lower triangle is read) and of the transform on
+/// return, so the loops that walk a column of the matrix walk a contiguous
+/// row of `w`. Every element sees the same operations in the same order as
+/// tred2 on the matrix itself.
 #[allow(clippy::needless_range_loop)]
-fn tred2(v: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
+fn tred2(w: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
     let n = d.len();
-    d.copy_from_slice(&v[n - 1][..n]);
+    for j in 0..n {
+        d[j] = w[j][n - 1];
+    }
     for i in (1..n).rev() {
         let mut scale = 0f64;
         let mut h = 0f64;
@@ -309,9 +333,9 @@ fn tred2(v: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
         if scale == 0.0 {
             e[i] = d[i - 1];
             for j in 0..i {
-                d[j] = v[i - 1][j];
-                v[i][j] = 0.0;
-                v[j][i] = 0.0;
+                d[j] = w[j][i - 1];
+                w[j][i] = 0.0;
+                w[i][j] = 0.0;
             }
         } else {
             for k in 0..i {
@@ -331,11 +355,12 @@ fn tred2(v: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
             }
             for j in 0..i {
                 f = d[j];
-                v[j][i] = f;
-                g = e[j] + v[j][j] * f;
+                w[i][j] = f;
+                let col = &w[j];
+                g = e[j] + col[j] * f;
                 for k in j + 1..i {
-                    g += v[k][j] * d[k];
-                    e[k] += v[k][j] * f;
+                    g += col[k] * d[k];
+                    e[k] += col[k] * f;
                 }
                 e[j] = g;
             }
@@ -351,42 +376,45 @@ fn tred2(v: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
             for j in 0..i {
                 f = d[j];
                 g = e[j];
+                let col = &mut w[j];
                 for k in j..i {
-                    v[k][j] -= f * e[k] + g * d[k];
+                    col[k] -= f * e[k] + g * d[k];
                 }
-                d[j] = v[i - 1][j];
-                v[i][j] = 0.0;
+                d[j] = col[i - 1];
+                col[i] = 0.0;
             }
         }
         d[i] = h;
     }
     for i in 0..n - 1 {
-        v[n - 1][i] = v[i][i];
-        v[i][i] = 1.0;
+        w[i][n - 1] = w[i][i];
+        w[i][i] = 1.0;
         let h = d[i + 1];
         if h != 0.0 {
+            let (lo, hi) = w.split_at_mut(i + 1);
+            let next = &hi[0];
             for k in 0..=i {
-                d[k] = v[k][i + 1] / h;
+                d[k] = next[k] / h;
             }
-            for j in 0..=i {
+            for col in lo.iter_mut() {
                 let mut g = 0f64;
                 for k in 0..=i {
-                    g += v[k][i + 1] * v[k][j];
+                    g += next[k] * col[k];
                 }
                 for k in 0..=i {
-                    v[k][j] -= g * d[k];
+                    col[k] -= g * d[k];
                 }
             }
         }
         for k in 0..=i {
-            v[k][i + 1] = 0.0;
+            w[i + 1][k] = 0.0;
         }
     }
     for j in 0..n {
-        d[j] = v[n - 1][j];
-        v[n - 1][j] = 0.0;
+        d[j] = w[j][n - 1];
+        w[j][n - 1] = 0.0;
     }
-    v[n - 1][n - 1] = 1.0;
+    w[n - 1][n - 1] = 1.0;
     e[0] = 0.0;
 }
 
