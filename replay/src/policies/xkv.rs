@@ -396,7 +396,24 @@ fn tred2(w: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
             for k in 0..=i {
                 d[k] = next[k] / h;
             }
-            for col in lo.iter_mut() {
+            // four columns at a time: their sums are independent chains
+            let mut cols = lo.chunks_exact_mut(4);
+            for c in cols.by_ref() {
+                let [c0, c1, c2, c3] = c else { unreachable!() };
+                let mut g = [0f64; 4];
+                for k in 0..=i {
+                    g[0] += next[k] * c0[k];
+                    g[1] += next[k] * c1[k];
+                    g[2] += next[k] * c2[k];
+                    g[3] += next[k] * c3[k];
+                }
+                for (col, g) in [c0, c1, c2, c3].into_iter().zip(g) {
+                    for k in 0..=i {
+                        col[k] -= g * d[k];
+                    }
+                }
+            }
+            for col in cols.into_remainder() {
                 let mut g = 0f64;
                 for k in 0..=i {
                     g += next[k] * col[k];
