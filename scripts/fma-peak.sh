@@ -35,7 +35,7 @@ int main(void) {
 }
 C
 cc -O2 -mavx2 -mfma "$dir/peak.c" -o "$dir/peak"
-for _ in $(seq "$n"); do "$dir/peak" > "$dir/out.$_" & done
+for i in $(seq "$n"); do "$dir/peak" > "$dir/out.$i" & done
 wait
 cat "$dir"/out.*
 awk '{s += $1} END {printf "sum over %d processes: %.1f GFLOP/s\n", NR, s}' "$dir"/out.*

@@ -15,6 +15,8 @@ Rust `half` crate does), code = round((x - zero) / scale) clamped to
 [0, 2^b - 1] with rounding half away from zero (Rust's f32::round; the codes
 are never negative before the clamp matters, so floor(x + 0.5)).
 """
+import hashlib
+
 import numpy as np
 
 
@@ -211,7 +213,8 @@ _KVQUANT_MEMO = {}
 def kvquant_matrix(x, bits, outliers, n_sink, iters, per_channel):
     """Memoised: the result does not depend on the budget, so a run over
     several budgets computes each head's codebook once."""
-    key = (x.shape, x.tobytes(), bits, outliers, n_sink, iters, per_channel)
+    # the input by digest: the memo holds results, not a second copy of each input
+    key = (x.shape, hashlib.sha256(x.tobytes()).digest(), bits, outliers, n_sink, iters, per_channel)
     if key not in _KVQUANT_MEMO:
         _KVQUANT_MEMO[key] = kvquant_matrix_once(x, bits, outliers, n_sink, iters, per_channel)
     return _KVQUANT_MEMO[key].copy()
