@@ -296,9 +296,22 @@ unsafe fn exp4(x: std::arch::x86_64::__m256d) -> std::arch::x86_64::__m256d {
     let r = _mm256_fmadd_pd(kd, _mm256_set1_pd(NEG_LN2_LO_N), r);
     // 2 · (k mod 128): the pair's first element
     let idx = _mm256_slli_epi64(_mm256_and_si256(ki, _mm256_set1_epi64x(127)), 1);
-    let tp = EXP_TAB.as_ptr() as *const f64;
-    let tail = _mm256_i64gather_pd::<8>(tp, idx);
-    let hbits = _mm256_i64gather_epi64::<8>(tp.add(1) as *const i64, idx);
+    let (tail, hbits) = {
+        // each lane's pair (T_k, H_k) in one 16-byte load, then transposed
+        // (with two `vgatherqpd` instead, this exp ran 1.3x slower on Zen 3);
+        // idx ≤ 254, so both elements lie in the table
+        let mut ix = [0i64; 4];
+        _mm256_storeu_si256(ix.as_mut_ptr() as *mut __m256i, idx);
+        let tp = EXP_TAB.as_ptr() as *const f64;
+        let pair = |i: usize| _mm_loadu_pd(tp.add(ix[i] as usize));
+        let (p0, p1, p2, p3) = (pair(0), pair(1), pair(2), pair(3));
+        let a = _mm256_insertf128_pd::<1>(_mm256_castpd128_pd256(p0), p2); // t0 h0 t2 h2
+        let b = _mm256_insertf128_pd::<1>(_mm256_castpd128_pd256(p1), p3); // t1 h1 t3 h3
+        (
+            _mm256_unpacklo_pd(a, b),
+            _mm256_castpd_si256(_mm256_unpackhi_pd(a, b)),
+        )
+    };
     let sbits = _mm256_add_epi64(hbits, _mm256_slli_epi64(ki, 45));
     let p23 = _mm256_fmadd_pd(r, _mm256_set1_pd(C3), _mm256_set1_pd(C2));
     let t1 = _mm256_add_pd(r, tail);
