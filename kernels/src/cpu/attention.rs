@@ -806,12 +806,14 @@ fn weighted_values_impl<S: Simd>(
                 let mut u0 = 0;
                 while u0 < nv {
                     // Twelve chains or fewer per tile: one row, up to 64
-                    // dimensions per pass over the keys; two, 48; three,
-                    // 32; more, 16.
+                    // dimensions per pass over the keys; two, 32; three,
+                    // 24; more, 16. (Two rows × 48 and three × 32, twelve
+                    // chains with their six or four value vectors, spilled
+                    // registers to the stack at every key.)
                     let step = match r {
                         1 => 8,
-                        2 => 6,
-                        3 => 4,
+                        2 => 4,
+                        3 => 3,
                         _ => 2,
                     }
                     .min(nv - u0);
@@ -824,10 +826,7 @@ fn weighted_values_impl<S: Simd>(
                         (1, 3) => tile!(1, 3, r0, u0, j0, jn),
                         (1, 2) => tile!(1, 2, r0, u0, j0, jn),
                         (1, _) => tile!(1, 1, r0, u0, j0, jn),
-                        (3, 4) => tile!(3, 4, r0, u0, j0, jn),
                         (3, 3) => tile!(3, 3, r0, u0, j0, jn),
-                        (2, 6) => tile!(2, 6, r0, u0, j0, jn),
-                        (2, 5) => tile!(2, 5, r0, u0, j0, jn),
                         (2, 4) => tile!(2, 4, r0, u0, j0, jn),
                         (2, 3) => tile!(2, 3, r0, u0, j0, jn),
                         (6, 2) => tile!(6, 2, r0, u0, j0, jn),
