@@ -1163,6 +1163,29 @@ mod tests {
         }
     }
 
+    /// Rows weighted together (tiles of 2 to 6 rows, each with its own pass
+    /// width) give each row the bits it gets alone: every output is one
+    /// chain of FMAs over the keys in order, whatever the tile.
+    #[test]
+    fn weighted_values_of_a_row_do_not_depend_on_its_tile() {
+        for (d, nk) in [(64usize, 75usize), (256, 9), (40, 130), (12, 5)] {
+            let v = data(nk * d, 0.3);
+            for rows in 1..=MR {
+                let p: Vec<f32> = data(rows * nk, rows as f32)
+                    .iter()
+                    .map(|x| x.abs())
+                    .collect();
+                let mut all = vec![0f32; rows * d];
+                weighted_values(&p, nk, &v, d, (0, d), &mut all);
+                for r in 0..rows {
+                    let mut one = vec![0f32; d];
+                    weighted_values(&p[r * nk..(r + 1) * nk], nk, &v, d, (0, d), &mut one);
+                    assert_eq!(one, all[r * d..(r + 1) * d], "d={d} rows={rows} row {r}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn first_position_attends_only_to_itself() {
         let d = 4;
