@@ -4,6 +4,12 @@
 /// Storage bits of one f16 number.
 pub const F16_BITS: u64 = 16;
 
+/// The original positions one entry stands for, ascending. Stored inline
+/// for up to two positions (an exact entry, a pair merged), so reading an
+/// entry's positions is no pointer chase and pushing an exact entry no
+/// allocation.
+pub type Members = smallvec::SmallVec<[u32; 2]>;
+
 /// One KV head's cache. Entry `e` is (key, value, additive logit bias, the
 /// original positions it stands for, its storage cost in bits). Every policy
 /// here keeps entries in the order of the positions that created them.
@@ -17,7 +23,7 @@ pub struct HeadCache {
     /// (n,) added to the entry's logit: log(count) for a merge of count positions, 0 otherwise.
     pub bias: Vec<f32>,
     /// (n,) original positions each entry stands for, ascending.
-    pub members: Vec<Vec<u32>>,
+    pub members: Vec<Members>,
     /// (n,) storage cost: key + value + metadata (e.g. bias, quantisation scales).
     pub bits: Vec<u64>,
 }
@@ -74,7 +80,7 @@ impl HeadCache {
         self.keys.extend_from_slice(key);
         self.values.extend_from_slice(value);
         self.bias.push(0.0);
-        self.members.push(vec![pos as u32]);
+        self.members.push(smallvec::smallvec![pos as u32]);
         self.bits.push(Self::exact_bits(self.d));
     }
 
@@ -132,6 +138,11 @@ impl HeadCache {
             out.bits.push(self.bits[e]);
         }
         *self = out;
+    }
+
+    /// Each entry's original positions as a `Vec` (for display and tests).
+    pub fn member_lists(&self) -> Vec<Vec<u32>> {
+        self.members.iter().map(|m| m.to_vec()).collect()
     }
 
     /// First original position of each entry.

@@ -1021,7 +1021,7 @@ mod tests {
                 .collect()
         };
         c.push_exact(5, &mean(&keys), &mean(&vals));
-        c.members[2] = vec![5, 6, 7];
+        c.members[2] = vec![5, 6, 7].into();
         c.bias[2] = 3f32.ln();
         c.push_exact(9, &keys[9 * d..10 * d], &vals[9 * d..10 * d]);
         c.bias[3] = -2000.0;

@@ -141,7 +141,10 @@ fn razor_keeps_retrieval_heads_whole_and_merges_the_dropped_middle() {
     let c = prefill("razor:frac=0.25,echo_frac=0,n_sink=1", &data, 4);
     assert_eq!(c[0].len(), 6);
     let c1 = &c[1];
-    assert_eq!(c1.members, vec![vec![0], vec![1, 2, 3], vec![4], vec![5]]);
+    assert_eq!(
+        c1.member_lists(),
+        vec![vec![0], vec![1, 2, 3], vec![4], vec![5]]
+    );
     let third = 1.0f32 / 3.0;
     for (x, want) in c1
         .key(1)
@@ -168,7 +171,7 @@ fn razor_keeps_retrieval_heads_whole_and_merges_the_dropped_middle() {
     assert_eq!(c[0].positions(), vec![0, 3, 4, 5]);
     // B = 1: the compensation entry alone stands for the whole prompt
     let c = prefill("razor:frac=0,echo_frac=0", &data, 1);
-    assert_eq!(c[0].members, vec![vec![0, 1, 2, 3, 4, 5]]);
+    assert_eq!(c[0].member_lists(), vec![vec![0, 1, 2, 3, 4, 5]]);
     assert_eq!(c[0].value(0)[0], 2.5);
 
     // Eq. 5: when the dropped keys are equal, the compensation entry with
@@ -193,7 +196,7 @@ fn razor_keeps_retrieval_heads_whole_and_merges_the_dropped_middle() {
         .collect::<Vec<_>>()];
     let eq = explicit_layer(&q, &k, &v, 5, 0.7);
     let c = prefill("razor:frac=0,echo_frac=0,n_sink=1", &eq, 3);
-    assert_eq!(c[0].members, vec![vec![0], vec![1, 2, 3], vec![4]]);
+    assert_eq!(c[0].member_lists(), vec![vec![0], vec![1, 2, 3], vec![4]]);
     let (mut full, mut comp) = (eq_cache(&eq, d), c[0].clone());
     full.push_exact(5, &keys[5], &v[0][5]);
     comp.push_exact(5, &keys[5], &v[0][5]);

@@ -463,7 +463,10 @@ fn kvmerger_sets_follow_adjacent_cosine() {
         .build()
         .unwrap();
     let (caches, _) = p.prefill(&PrefillCtx::new(&data, 1)).unwrap();
-    assert_eq!(caches[0].members, vec![vec![0, 1, 2], vec![3, 4], vec![5]]);
+    assert_eq!(
+        caches[0].member_lists(),
+        vec![vec![0, 1, 2], vec![3, 4], vec![5]]
+    );
     // soft mode represents every prompt position
     assert_eq!(caches[0].members.iter().map(|m| m.len()).sum::<usize>(), 6);
 }
@@ -502,7 +505,7 @@ fn kvmerger_gaussian_weights_and_value_scaling() {
         .unwrap();
     let (caches, _) = p.prefill(&PrefillCtx::new(&data, 1)).unwrap();
     let c = &caches[0];
-    assert_eq!(c.members, vec![vec![0, 1]]);
+    assert_eq!(c.member_lists(), vec![vec![0, 1]]);
     let e = (-4.0f64).exp();
     let w0 = e / (1.0 + e);
     assert!(
@@ -578,7 +581,7 @@ fn kvmerger_hard_mode_respects_the_budget() {
     assert_eq!(c.len(), 10);
     for protected in [7, 20, 37, 38, 39] {
         assert!(
-            c.members.contains(&vec![protected]),
+            c.member_lists().contains(&vec![protected]),
             "{protected} not verbatim: {:?}",
             c.members
         );
@@ -622,7 +625,7 @@ fn d2o_first_compression_merges_tokens_at_least_as_similar_as_the_mean() {
     let (caches, _) = p.prefill(&PrefillCtx::new(&data, 4)).unwrap();
     let cache = &caches[0];
     assert_eq!(
-        cache.members,
+        cache.member_lists(),
         vec![vec![0], vec![1, 2], vec![3, 4], vec![7]]
     );
     // k2' = (e·k2 + e^u·k1) / (e + e^u), u = cos 8°
@@ -950,7 +953,7 @@ fn d2o_split_matching_merges_halves_separately() {
     let c = &caches[0];
     // key half: 1 -> 2, 4 -> 3, 5 and 6 -> 0 (cosine 0 with both 0 and 2: the earliest wins)
     assert_eq!(
-        c.members,
+        c.member_lists(),
         vec![vec![0, 5, 6], vec![1, 2], vec![3, 4], vec![7]]
     );
     // value half: every evicted value is (-1, 0), closest to position 3's value

@@ -700,7 +700,7 @@ fn d2o_ema_threshold_decides_each_decode_merge() {
     let steps = run_steps("d2o:n_sink=1,beta=0.3", &data, 4);
     let check = |c: &HeadCache, entries: &[Expected], at: &str| {
         assert_eq!(
-            c.members,
+            c.member_lists(),
             entries.iter().map(|e| e.0.clone()).collect::<Vec<_>>(),
             "{at}"
         );
@@ -756,7 +756,7 @@ fn d2o_ema_threshold_decides_each_decode_merge() {
     }
     assert_eq!(merged, vec![false, true, false, true]);
     assert_eq!(
-        steps[4][0].members,
+        steps[4][0].member_lists(),
         vec![vec![0], vec![1, 2], vec![3, 4], vec![10, 11]]
     );
 }
@@ -861,7 +861,7 @@ fn kvmerger_sigma_and_pivot_variants_give_the_exact_gaussian_merge() {
     for (variant, pivot, sigma) in cases {
         let spec = format!("{base}{variant}");
         let c = &prefill(&spec, &data, 1)[0];
-        assert_eq!(c.members, vec![vec![0, 1, 2], vec![3]], "{spec}");
+        assert_eq!(c.member_lists(), vec![vec![0, 1, 2], vec![3]], "{spec}");
         let (kh, vh) = kvmerger_expected(&data, pivot, sigma);
         // an f64 computation stored in f32
         assert_close(c.key(0), &kh, 1e-6, &spec);

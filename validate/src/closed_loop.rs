@@ -491,7 +491,7 @@ mod tests {
         ] {
             c.push_exact(pos, &[k], &[v]);
         }
-        c.members[1] = vec![1, 6];
+        c.members[1] = vec![1, 6].into();
         c.bias[1] = 2f32.ln();
         let mut o = [0f32];
         let p = attend_head(&[1.0], &c, 1.0, (7, Some(3)), &mut o);
