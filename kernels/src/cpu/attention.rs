@@ -392,8 +392,9 @@ fn pack_keys_impl<S: Simd>(k: &[f32], d: usize, dst: &mut [f32]) {
     let body = d - d % 8;
     for (p, keys) in k.chunks(8 * d).enumerate() {
         let panel = &mut dst[p * 8 * d..(p + 1) * 8 * d];
-        // Keys stream from memory (decode): ask for the panel after next.
-        let ahead = keys.as_ptr().wrapping_add(16 * d).cast::<u8>();
+        // Keys stream from memory (decode): ask for the panel KEYS_AHEAD / 8
+        // panels on.
+        let ahead = keys.as_ptr().wrapping_add(KEYS_AHEAD * d).cast::<u8>();
         for line in (0..32 * d).step_by(64) {
             S::prefetch(ahead.wrapping_add(line));
         }
@@ -697,6 +698,11 @@ fn scores_impl<S: Simd>(q: &[f32], kp: &[f32], d: usize, s: &mut [f32], ws: usiz
     }
 }
 
+/// Keys ahead that decode's key packing and weighted values ask the memory
+/// for: far enough to cover a DRAM access at the rate these loops read.
+const KEYS_AHEAD: usize = 64;
+const PV_AHEAD: usize = 64;
+
 /// out (R, 8V) at `o` (row stride d) = p (nk, R) at `p` (the R rows'
 /// weights interleaved per key) · v (nk, ·) at `v` (row stride d), added to
 /// what `o` holds unless `first`: one fused chain over the keys per element.
@@ -718,8 +724,12 @@ unsafe fn pv_tile<S: Simd, const R: usize, const V: usize>(
         }
     }
     for j in 0..nk {
-        // Values stream from memory (decode): ask for the row 16 keys on.
-        S::prefetch(v.wrapping_add((j + 16) * d).cast());
+        // Values stream from memory (decode): ask for the row PV_AHEAD keys
+        // on, every line of it this tile reads.
+        let ahead = v.wrapping_add((j + PV_AHEAD) * d);
+        for line in (0..8 * V).step_by(16) {
+            S::prefetch(ahead.wrapping_add(line).cast());
+        }
         let mut b = [S::zero(); V];
         for (u, bu) in b.iter_mut().enumerate() {
             *bu = S::load(v.add(j * d + 8 * u));
