@@ -11,7 +11,11 @@
 #      point, points per rerun, NumPy ratio, capture tok/s): met or not met;
 #   6. where .venv-hf/ exists (scripts/test-python-hf.sh makes it), PyTorch's
 #      figure on the same machine (scripts/bench-torch.py: HF transformers,
-#      float32, same model and lengths) and capture's ratios to it.
+#      float32, same model and lengths) and capture's ratios to it;
+#   7. the prefill's matrix products alone with NumPy's BLAS
+#      (scripts/prefill-floor.py), a ceiling for capture prefill in f32, and,
+#      where .venv-llamacpp/ exists (see scripts/bench-llamacpp.py), llama.cpp
+#      on the same model and lengths.
 # The first run captures the traces it needs (a few minutes for the longest).
 # Usage: scripts/bench.sh [--quick]   (--quick: one repetition, no criterion)
 set -euo pipefail
@@ -32,6 +36,13 @@ log=results/bench/bench-$(date -u +%Y%m%dT%H%M%SZ).txt
     fi
     echo "## capture"
     target/release/kvreplay bench capture --prompt-tokens 2048 --decode 64 --reps "$reps"
+    echo "## the same prefill's matrix products alone, with NumPy's BLAS (a ceiling for capture prefill)"
+    OPENBLAS_NUM_THREADS=$(nproc) .venv-ref/bin/python scripts/prefill-floor.py --reps "$reps"
+    if [ -x .venv-llamacpp/bin/python ]; then
+        echo "## llama.cpp, same model and lengths (8-bit activations, f16 KV cache, no trace)"
+        .venv-llamacpp/bin/python scripts/bench-llamacpp.py --prompt-tokens 2048 --decode 64 \
+            --reps "$reps" --threads "$(nproc)"
+    fi
     if [ -x .venv-hf/bin/python ]; then
         echo "## PyTorch, same model and lengths"
         .venv-hf/bin/python scripts/bench-torch.py --prompt-tokens 2048 --decode 64 --reps "$reps" \
@@ -60,5 +71,5 @@ PY
 }
 ratios | tee -a "$log"
 # every figure with a target, together
-{ echo "## targets"; grep '^target' "$log" || true; } | tee -a "$log"
+{ echo "## targets"; grep -E '^(target|ceiling) ' "$log" || true; } | tee -a "$log"
 echo "wrote $log"
