@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The products of a prefill, timed alone with NumPy's BLAS: a floor for capture.
+"""The products of a prefill, timed alone with NumPy's BLAS: a ceiling for capture's prefill rate.
 
 Capture's prefill is mostly matrix products: per chunk of the prompt and per
 layer, x·Wᵀ for q, k, v, o, gate, up and down, and per head Q·Kᵀ and P·V over
