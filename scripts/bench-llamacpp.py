@@ -4,9 +4,8 @@
 llama.cpp is the usual engine for GGUF models on CPUs. It differs from
 `kvreplay capture` in what it computes: it quantises activations to 8 bits
 for the products with quantised weights (integer dot products), keeps the KV
-cache in f16, and writes no trace. Its rates are therefore an upper bound
-for what a lower-precision capture could reach on this machine, not a
-like-for-like figure.
+cache in f16, and writes no trace. Its rates are therefore a yardstick from
+the usual engine at lower precision, not a like-for-like figure.
 
 Needs the llama-cpp-python package (a source build of llama.cpp, several
 minutes on 2 cores), in a virtual environment of its own:

@@ -46,6 +46,7 @@ def main():
     }
     w = {n: rng.standard_normal(s, dtype=f32) for n, s in w.items()}
     x = rng.standard_normal((c, dm), dtype=f32)
+    xo = rng.standard_normal((c, nh * hd), dtype=f32)
     xf = rng.standard_normal((c, ffn), dtype=f32)
     q = rng.standard_normal((nh, c, hd), dtype=f32)
     keys = rng.standard_normal((nh, a.prompt_tokens, hd), dtype=f32)
@@ -56,7 +57,7 @@ def main():
         t0 = time.perf_counter()
         for name in ("q", "k", "v"):
             x @ w[name]
-        x @ w["o"]
+        xo @ w["o"]
         x @ w["gate"]
         x @ w["up"]
         xf @ w["down"]
