@@ -815,7 +815,8 @@ pub struct TraceReplay<'t> {
     /// Bytes of layer copies (and their full-cache references) kept.
     held: std::sync::Mutex<u64>,
     cap: u64,
-    /// Results of budget-independent policies, by spec ([`Self::replay_spec`]).
+    /// Results of budget-independent policies, by spec, and of policies'
+    /// budget classes, by spec and class ([`Self::replay_spec`]).
     fixed: std::sync::Mutex<std::collections::HashMap<String, ReplayResult>>,
 }
 
@@ -925,28 +926,38 @@ impl TraceReplay<'_> {
     /// [`replay`](Self::replay) of the policy `spec` builds, for sweeps: a
     /// policy whose caches do not depend on the budget
     /// ([`Policy::budget_independent`]: `full`, the fixed-precision stores)
-    /// is replayed once per spec and its result reported at every budget
-    /// (the same bytes a replay at that budget gives).
+    /// is replayed once per spec and its result reported at every budget,
+    /// and one whose budgets fall into classes ([`Policy::budget_class`]:
+    /// MiniCache) once per class (the same bytes a replay at that budget
+    /// gives).
     pub fn replay_spec(
         &self,
         spec: &str,
         policy: &dyn Policy,
         budget: Budget,
     ) -> Result<ReplayResult, ReplayError> {
-        if !policy.budget_independent() {
-            return self.replay(policy, budget);
-        }
+        let m = &self.trace.manifest;
+        let key = if policy.budget_independent() {
+            spec.to_string()
+        } else {
+            let b = budget.resolve(m.prompt_len())?;
+            let cb = crate::policy::cache_budget(policy, b, m.model.n_heads / m.model.n_kv_heads);
+            match policy.budget_class(self.trace.n_layers(), cb, m.prompt_len()) {
+                Some(class) => format!("{spec}\u{0}class {class}"),
+                None => return self.replay(policy, budget),
+            }
+        };
         check_reads(self.trace, policy, budget)?;
-        let b = budget.resolve(self.trace.manifest.prompt_len())?;
+        let b = budget.resolve(m.prompt_len())?;
         let lock = || self.fixed.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(r) = lock().get(spec) {
+        if let Some(r) = lock().get(&key) {
             return Ok(ReplayResult {
                 budget: b,
                 layers: r.layers.clone(),
             });
         }
         let r = self.replay(policy, budget)?;
-        lock().insert(spec.to_string(), r.clone());
+        lock().insert(key, r.clone());
         Ok(r)
     }
 }

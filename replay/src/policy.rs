@@ -473,6 +473,17 @@ pub trait Policy: Send + Sync {
         false
     }
 
+    /// Budgets that give the same caches, and so every metric: two budgets
+    /// (in entries per cache) with the same `Some` class replay identically,
+    /// so a sweep replays one of them and reports its result at the others
+    /// (MiniCache: the budget only picks the first merged layer). None (the
+    /// default): every budget is its own. Only say so when, within a class,
+    /// nothing the budget reaches changes (a registry test replays each
+    /// budget of a class and compares).
+    fn budget_class(&self, _n_layers: usize, _budget: usize, _prompt_len: usize) -> Option<usize> {
+        None
+    }
+
     /// Caches that share one KV head's budget: the group size G when the
     /// policy keeps one cache per query head and counts `--budget` per KV
     /// head (`budget_per=kv_head`, the default: B entries' memory per KV head

@@ -265,3 +265,60 @@ fn budget_independent_policies_give_the_same_result_at_every_budget() {
     }
     assert!(!seen.iter().any(|s| s.starts_with("snapkv")), "{seen:?}");
 }
+
+/// Every policy that sorts budgets into classes (`Policy::budget_class`:
+/// MiniCache's first merged layer) gives the same result at every budget of
+/// a class, and what `TraceReplay::replay_spec` reports at each budget, the
+/// class replayed once, equals a fresh replay at that budget.
+#[test]
+fn budgets_of_one_class_give_the_same_result() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 4 layers, a 30-token prompt: MiniCache starts merging at ⌊4·B/30⌋
+    let trace = Trace::open(write_trace(tmp.path(), &layers(4, 30, 36))).unwrap();
+    let (n_layers, prompt) = (4, 30);
+    let mut seen = Vec::new();
+    for info in kvreplay_replay::REGISTRY.iter() {
+        let Ok(p) = PolicySpec::parse(info.name).and_then(|s| s.build()) else {
+            continue;
+        };
+        let budgets = [2usize, 4, 7, 8, 14, 15, 22, 23, 29, 30, 40];
+        let classes: Vec<Option<usize>> = budgets
+            .iter()
+            .map(|&b| p.budget_class(n_layers, b, prompt))
+            .collect();
+        if classes.iter().all(Option::is_none) {
+            continue;
+        }
+        seen.push(info.name);
+        let tr = kvreplay_replay::TraceReplay::new(&trace, &Default::default()).unwrap();
+        let mut firsts: Vec<(usize, String)> = Vec::new();
+        for (&b, class) in budgets.iter().zip(&classes) {
+            let class = class.expect("a policy with classes gives every budget one");
+            let fresh = replay(&trace, p.as_ref(), Budget::Entries(b)).unwrap();
+            let fresh = format!("{:?}", fresh.layers);
+            match firsts.iter().find(|(c, _)| *c == class) {
+                Some((_, first)) => {
+                    assert_eq!(&fresh, first, "{}: budget {b} (class {class})", info.name)
+                }
+                None => firsts.push((class, fresh.clone())),
+            }
+            let r = tr
+                .replay_spec(info.name, p.as_ref(), Budget::Entries(b))
+                .unwrap();
+            assert_eq!(
+                (r.budget, format!("{:?}", r.layers)),
+                (b, fresh),
+                "{} via replay_spec at {b}",
+                info.name
+            );
+        }
+        // the classes here are real: several budgets share one, and there
+        // is more than one
+        assert!(
+            firsts.len() > 1 && firsts.len() < budgets.len(),
+            "{}: {classes:?}",
+            info.name
+        );
+    }
+    assert_eq!(seen, ["minicache"]);
+}

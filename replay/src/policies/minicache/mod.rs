@@ -88,6 +88,11 @@ impl Policy for MiniCache {
         Ok((ctx.full_caches(), Box::new(crate::policy::AppendOnly)))
     }
 
+    /// The budget only picks S (with `start=budget`); a fixed start ignores it.
+    fn budget_class(&self, n_layers: usize, budget: usize, prompt_len: usize) -> Option<usize> {
+        Some(self.pair_start(n_layers, budget, prompt_len))
+    }
+
     /// Layers below S alone, then pairs (S + 2j, S + 2j + 1), a leftover top layer alone.
     fn layer_groups(&self, n_layers: usize, budget: usize, prompt_len: usize) -> Vec<Vec<usize>> {
         let s = self.pair_start(n_layers, budget, prompt_len);
