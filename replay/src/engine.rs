@@ -559,6 +559,32 @@ fn attend_heads(
     Ok(())
 }
 
+/// What [`attend_heads`] computes for query heads `heads` over `cache` when
+/// it is the full cache (the same entries, in position order, as the
+/// reference attended over): the reference's own output, shifted logits,
+/// sum and weights, so the same bits without the attention.
+fn reference_into(r: &[RefHead], heads: Range<usize>, cache: &HeadCache, s: &mut Scratch) {
+    let (nq, n, d) = (heads.len(), cache.len(), cache.d);
+    s.out.clear();
+    s.x.clear();
+    s.w.clear();
+    s.p.clear();
+    s.z.clear();
+    for h in heads {
+        let rh = &r[h];
+        debug_assert!(
+            rh.y.len() == n && rh.out.len() == d,
+            "reference of another cache"
+        );
+        s.out.extend(rh.out.iter().map(|x| *x as f32));
+        s.x.extend_from_slice(&rh.y);
+        s.w.extend_from_slice(&rh.w);
+        s.p.extend(rh.w.iter().map(|w| (w / rh.z) as f32));
+        s.z.push(rh.z);
+    }
+    debug_assert!(s.z.len() == nq && s.x.len() == nq * n);
+}
+
 /// The full-cache reference of a layer (memo key): per decode step and
 /// query head, the output, weights and their sum.
 #[derive(PartialEq, Debug)]
@@ -648,6 +674,18 @@ fn replay_group_refs(
     policy: &dyn Policy,
     b: usize,
 ) -> Result<Vec<LayerResult>, ReplayError> {
+    replay_group_with(datas, policy, b, true)
+}
+
+/// [`replay_group_refs`]; `shortcut`: take the attention of a group that
+/// keeps the full cache ([`Policy::keeps_full_cache`]) from the reference
+/// (false only in the test that compares the two).
+fn replay_group_with(
+    datas: &[&LayerData],
+    policy: &dyn Policy,
+    b: usize,
+    shortcut: bool,
+) -> Result<Vec<LayerResult>, ReplayError> {
     let (p, t) = (datas[0].prompt_len, datas[0].total_len);
     let policy = group_policy(policy, datas)?;
     let mut session = Session::prefill_group(policy, datas, b)?;
@@ -663,13 +701,18 @@ fn replay_group_refs(
     let mut sums: Vec<Vec<[f64; 4]>> = datas.iter().map(|d| vec![[0f64; 4]; d.n_heads]).collect();
     let mut probs: Vec<Vec<Vec<f32>>> = datas.iter().map(|d| vec![Vec::new(); d.n_heads]).collect();
     let (mut s, mut single, mut mb) = (Scratch::default(), Vec::new(), MetricBuf::default());
+    // caches that are the full cache: their attention is the reference's
+    let whole = shortcut && policy.keeps_full_cache(datas.len());
     for pos in p..t {
         for (i, data) in datas.iter().enumerate() {
             session.append(i, pos, |g| (data.k_row(g, pos), data.v_row(g, pos)));
             // the query heads that read each cache attend together (GQA)
             for (c, cache) in session.caches(i).iter().enumerate() {
                 let heads = session.heads_of(i, c);
-                attend_heads(data, heads.clone(), pos, cache, &mut s)?;
+                match whole {
+                    true => reference_into(&reference[i][pos - p], heads.clone(), cache, &mut s),
+                    false => attend_heads(data, heads.clone(), pos, cache, &mut s)?,
+                }
                 single_members(cache, &mut single);
                 let (n, d) = (cache.len(), cache.d);
                 let heads: Vec<usize> = heads.collect();
@@ -988,6 +1031,80 @@ pub fn replay_on(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A pseudo-random layer `l` of `n` (9 query heads over 3 KV heads, d =
+    /// 16), its window `w`.
+    fn layer(l: usize, n: usize, (p, t): (usize, usize), w: Option<usize>) -> LayerData {
+        let (nh, nkv, d) = (9, 3, 16);
+        let f = |i: usize, s: usize| (((i * 2654435761 + s) >> 7) % 1999) as f32 / 999.0 - 1.0;
+        let s = 7 * l;
+        LayerData {
+            layer: l,
+            n_layers: n,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            d,
+            scale: 0.25,
+            prompt_len: p,
+            total_len: t,
+            q_start: 0,
+            q: (0..nh * t * d).map(|i| f(i, s + 1) * 2.0).collect(),
+            k: (0..nkv * t * d).map(|i| f(i, s + 2) * 2.0).collect(),
+            v: (0..nkv * t * d).map(|i| f(i, s + 3)).collect(),
+            colsum: (0..nh * p).map(|i| f(i, s + 4).abs()).collect(),
+            window: w,
+            all_colsum: None,
+            rope: None,
+            memo: None,
+            backend: Default::default(),
+            tokens: None,
+        }
+    }
+
+    /// Every policy whose groups keep the full cache (`full`; MiniCache's
+    /// unmerged layers, full and sliding-window) gives, with its attention
+    /// taken from the reference, the bits it gives recomputing it.
+    #[test]
+    fn a_group_keeping_the_full_cache_takes_the_reference_bit_for_bit() {
+        let (n, pt) = (5, (24, 31));
+        let datas: Vec<LayerData> = (0..n)
+            .map(|l| layer(l, n, pt, (l % 2 == 1).then_some(6)))
+            .collect();
+        let mut seen = 0;
+        for spec in [
+            "full",
+            "minicache",
+            "minicache+sliding",
+            "minicache:start=0.5",
+        ] {
+            let policy = crate::PolicySpec::parse(spec).unwrap().build().unwrap();
+            let sliding: Vec<bool> = datas.iter().map(|d| d.window.is_some()).collect();
+            for b in [4, 12, 24] {
+                for g in replay_groups(policy.as_ref(), &sliding, b, pt.0) {
+                    let refs: Vec<&LayerData> = g.iter().map(|&l| &datas[l]).collect();
+                    let eff = group_policy(policy.as_ref(), &refs).unwrap();
+                    seen += eff.keeps_full_cache(g.len()) as usize;
+                    let fast = replay_group_with(&refs, policy.as_ref(), b, true).unwrap();
+                    let slow = replay_group_with(&refs, policy.as_ref(), b, false).unwrap();
+                    let bits = |r: &[LayerResult]| {
+                        r.iter()
+                            .flat_map(|l| &l.metrics)
+                            .flat_map(|m| [m.rel_l2, m.cosine, m.attn_mass, m.kl])
+                            .map(f64::to_bits)
+                            .collect::<Vec<_>>()
+                    };
+                    assert_eq!(bits(&fast), bits(&slow), "{spec} at {b}, layers {g:?}");
+                    assert_eq!(
+                        format!("{fast:?}"),
+                        format!("{slow:?}"),
+                        "{spec} at {b}, layers {g:?}"
+                    );
+                }
+            }
+        }
+        // full (5 layers x 3 budgets), and MiniCache's single layers
+        assert!(seen > 15, "{seen} groups took the reference");
+    }
 
     /// The KL without a logarithm per entry equals the direct
     /// Σ p ln(p / q) (q floored at f64::MIN_POSITIVE) on a cache with merged

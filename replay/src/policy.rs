@@ -473,6 +473,16 @@ pub trait Policy: Send + Sync {
         false
     }
 
+    /// Whether a group of `group_len` layers replayed together keeps the
+    /// uncompressed cache: its prefill gives `ctx.full_caches()` and decode
+    /// only appends (`full`; MiniCache's layers alone, below the first merged
+    /// one). The engine then takes every step's attention from the
+    /// full-cache reference it already holds instead of recomputing the same
+    /// bits (a test compares the two on every such policy). Default: no.
+    fn keeps_full_cache(&self, _group_len: usize) -> bool {
+        false
+    }
+
     /// Budgets that give the same caches, and so every metric: two budgets
     /// (in entries per cache) with the same `Some` class replay identically,
     /// so a sweep replays one of them and reports its result at the others

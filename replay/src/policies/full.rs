@@ -32,6 +32,9 @@ impl Policy for Full {
     fn budget_independent(&self) -> bool {
         true
     }
+    fn keeps_full_cache(&self, _group_len: usize) -> bool {
+        true
+    }
     /// Reads no query.
     fn prompt_queries(&self, _: usize, _: usize) -> usize {
         0

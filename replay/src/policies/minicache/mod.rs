@@ -88,6 +88,11 @@ impl Policy for MiniCache {
         Ok((ctx.full_caches(), Box::new(crate::policy::AppendOnly)))
     }
 
+    /// A layer alone (below S, or the top one left over) is never merged.
+    fn keeps_full_cache(&self, group_len: usize) -> bool {
+        group_len == 1
+    }
+
     /// The budget only picks S (with `start=budget`); a fixed start ignores it.
     fn budget_class(&self, n_layers: usize, budget: usize, prompt_len: usize) -> Option<usize> {
         Some(self.pair_start(n_layers, budget, prompt_len))
