@@ -561,13 +561,14 @@ fn attend_heads(
 
 /// What [`attend_heads`] computes for query heads `heads` over `cache` when
 /// it is the full cache (the same entries, in position order, as the
-/// reference attended over): the reference's own output, shifted logits,
-/// sum and weights, so the same bits without the attention.
+/// reference attended over), as far as a replay step reads it: the
+/// reference's own output, shifted logits, sum and probabilities, so the
+/// same bits without the attention (`s.w` is left as it is: only the
+/// reference itself reads it).
 fn reference_into(r: &[RefHead], heads: Range<usize>, cache: &HeadCache, s: &mut Scratch) {
     let (nq, n, d) = (heads.len(), cache.len(), cache.d);
     s.out.clear();
     s.x.clear();
-    s.w.clear();
     s.p.clear();
     s.z.clear();
     for h in heads {
@@ -578,7 +579,6 @@ fn reference_into(r: &[RefHead], heads: Range<usize>, cache: &HeadCache, s: &mut
         );
         s.out.extend(rh.out.iter().map(|x| *x as f32));
         s.x.extend_from_slice(&rh.y);
-        s.w.extend_from_slice(&rh.w);
         s.p.extend(rh.w.iter().map(|w| (w / rh.z) as f32));
         s.z.push(rh.z);
     }
