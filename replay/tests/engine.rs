@@ -129,21 +129,38 @@ fn bad_budgets_and_traces_are_explained() {
 }
 
 /// Results reused across budgets (window votes, masks, the full-cache
-/// reference) give exactly what computing them afresh gives.
+/// reference, EMS's rows and rankings) give exactly what computing them
+/// afresh gives, whether each policy has its own replay of the trace or
+/// all share one (so a memo key that left out a parameter would show).
 #[test]
 fn reused_budget_independent_results_change_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let trace = Trace::open(write_trace(tmp.path(), &layers(2, 30, 36))).unwrap();
-    for spec in [
+    let shared = kvreplay_replay::TraceReplay::new(&trace, &Default::default()).unwrap();
+    for (spec, own) in [
         "snapkv:w=4",
         "scissorhands:w_h=8",
         "tova",
         "full",
         "adakv:w=4",
-    ] {
+        "ems",
+        "ems:merge_space=post_rope,sim_pos=true",
+        "ems:gqa_mode=per_kv_head,similarity=key,kernel=3",
+        "ems:sim_pos=true,score=global",
+    ]
+    .into_iter()
+    .flat_map(|s| [(s, true), (s, false)])
+    {
         let p = PolicySpec::parse(spec).unwrap().build().unwrap();
         // one TraceReplay: the second budget and the repeat reuse the memo
-        let tr = kvreplay_replay::TraceReplay::new(&trace, &Default::default()).unwrap();
+        let mine;
+        let tr = match own {
+            true => {
+                mine = kvreplay_replay::TraceReplay::new(&trace, &Default::default()).unwrap();
+                &mine
+            }
+            false => &shared,
+        };
         for b in [6, 10] {
             let cached = tr.replay(p.as_ref(), Budget::Entries(b)).unwrap();
             let again = tr.replay(p.as_ref(), Budget::Entries(b)).unwrap();
@@ -153,7 +170,9 @@ fn reused_budget_independent_results_change_nothing() {
             );
             for l in 0..2 {
                 let d = kvreplay_replay::engine::load_layer(&trace, l);
-                let fresh = kvreplay_replay::replay_layer(&d, p.as_ref(), b).unwrap();
+                // entries per cache (⌊B/G⌋ for per-query-head caches)
+                let cb = kvreplay_replay::policy::cache_budget(p.as_ref(), b, 2);
+                let fresh = kvreplay_replay::replay_layer(&d, p.as_ref(), cb).unwrap();
                 assert_eq!(
                     format!("{:?}", cached.layers[l]),
                     format!("{fresh:?}"),

@@ -4,23 +4,27 @@
 
 use kvreplay_kernels::cpu::l2_norm;
 
-use super::config::{Ems, Shape, Similarity, ZeroClass};
+use super::config::{Ems, Score, Shape, Similarity, ZeroClass};
 use super::entry::{unit, Entry, HeadState, Slot, EPS};
 use crate::policy::{pool1d, Pool, PrefillCtx};
 use crate::select::{ranked, Tie};
 
-/// One KV head's prompt rows (n, d) as `build` reads them.
+/// One KV head's prompt rows (n, d) as `build` reads them, the same at
+/// every budget (the unit similarity vectors of the few rows a budget
+/// compares are made by [`unit_rows`]).
 struct Rows {
     /// Keys in the merge space (un-rotated in raw space).
     k_tilde: Vec<f32>,
     /// ‖k̃_j‖ + ε.
     kt_norm: Vec<f64>,
-    /// Unit similarity vectors of keys (k̃, or the captured key with
-    /// `sim_pos`) and of values.
-    ksim: Vec<f32>,
-    vsim: Vec<f32>,
     /// ‖k_j‖ of the captured key.
     knorm: Vec<f32>,
+}
+
+/// x / (‖x‖ + ε) per element in f64, rounded to f32, appended to `out`.
+fn unit32(x: &[f32], out: &mut Vec<f32>) {
+    let nx = l2_norm(x) + EPS;
+    out.extend(x.iter().map(|v| (*v as f64 / nx) as f32));
 }
 
 /// (s_glo, s_loc) of one query head over the prompt positions.
@@ -33,6 +37,40 @@ struct GlobalLocal {
 }
 impl crate::memo::MemoKey for GlobalLocal {
     type Value = Vec<Scores>;
+}
+
+/// Memo key: a KV head's [`Rows`] (they depend on the merge space, not on
+/// the budget).
+#[derive(Debug, PartialEq)]
+struct KvRows {
+    g: usize,
+    raw: bool,
+}
+impl crate::memo::MemoKey for KvRows {
+    type Value = Rows;
+}
+
+/// Memo key: one cache's combined scores and its prompt positions ranked
+/// (from the mean scores of query heads `heads`, a window of `lw` rows,
+/// pooled over `kernel`): the same at every budget with that window.
+#[derive(Debug, PartialEq)]
+struct Ranking {
+    heads: std::ops::Range<usize>,
+    lw: usize,
+    kernel: usize,
+    score: Score,
+}
+
+/// A cache's scores as [`Ems::build`] reads them: s_glo, s_loc, their
+/// combination s, and the positions before the window ranked by pooled s.
+struct Ranked {
+    s_glo: Vec<f64>,
+    s_loc: Vec<f64>,
+    s: Vec<f64>,
+    order: Vec<usize>,
+}
+impl crate::memo::MemoKey for Ranking {
+    type Value = Ranked;
 }
 
 impl Ems {
@@ -68,51 +106,102 @@ impl Ems {
             }
             out
         };
-        // The KV head's rows, shared by the caches of its query heads.
-        let mut rows: Option<(usize, Rows)> = None;
+        // The KV head's rows, shared by the caches of its query heads and
+        // by every budget.
         ctx.cache_units(self.per_query_head())
             .into_iter()
             .map(|(g, heads)| {
-                if rows.as_ref().is_none_or(|r| r.0 != g) {
-                    rows = Some((g, self.rows(ctx, g, sh)));
-                }
-                self.build(
-                    ctx,
+                let key = KvRows {
                     g,
-                    &rows.as_ref().unwrap().1,
-                    &mean_of(heads.clone(), |x| &x.0),
-                    &mean_of(heads, |x| &x.1),
-                    sh,
-                )
+                    raw: self.raw_space(),
+                };
+                let rows = ctx.memo(key, || self.rows(ctx, g, sh));
+                let key = Ranking {
+                    heads: heads.clone(),
+                    lw,
+                    kernel: self.kernel,
+                    score: self.score,
+                };
+                let ranked = ctx.memo(key, || {
+                    let (s_glo, s_loc) =
+                        (mean_of(heads.clone(), |x| &x.0), mean_of(heads, |x| &x.1));
+                    self.rank(s_glo, s_loc, n - lw)
+                });
+                self.build(ctx, g, &rows, &ranked, sh)
             })
             .collect()
     }
 
+    /// A cache's combined scores s = combine(α, s_glo, s_loc), α the ratio
+    /// of the mean s_loc to the mean s_glo, and the first `c_len` positions
+    /// ranked by s average-pooled over the kernel (ties: the earlier
+    /// position).
+    fn rank(&self, s_glo: Vec<f64>, s_loc: Vec<f64>, c_len: usize) -> Ranked {
+        let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+        let alpha = mean(&s_loc) / mean(&s_glo).max(1e-30);
+        let s: Vec<f64> = s_glo
+            .iter()
+            .zip(&s_loc)
+            .map(|(g, l)| self.combine(alpha, *g, *l))
+            .collect();
+        let order = if c_len == 0 {
+            Vec::new()
+        } else {
+            let pooled = pool1d(
+                &s[..c_len].iter().map(|x| *x as f32).collect::<Vec<_>>(),
+                self.kernel,
+                Pool::Avg,
+            );
+            ranked(&pooled, 0..c_len, |i| i, Tie::KeepEarlier)
+        };
+        Ranked {
+            s_glo,
+            s_loc,
+            s,
+            order,
+        }
+    }
+
     /// One KV head's prompt rows in the forms `build` reads: keys in the
-    /// merge space (k̃), their norms, the unit similarity vectors of keys
-    /// and values, and each key's own norm.
+    /// merge space (k̃), their norms, and each key's own norm.
     fn rows(&self, ctx: &PrefillCtx, g: usize, sh: &Shape) -> Rows {
         let (n, d) = (ctx.prompt_len(), sh.d);
         let mut r = Rows {
             k_tilde: Vec::with_capacity(n * d),
             kt_norm: Vec::with_capacity(n),
-            ksim: Vec::with_capacity(n * d),
-            vsim: Vec::with_capacity(n * d),
             knorm: Vec::with_capacity(n),
-        };
-        let unit32 = |x: &[f32], out: &mut Vec<f32>| {
-            let nx = l2_norm(x) + EPS;
-            out.extend(x.iter().map(|v| (*v as f64 / nx) as f32));
         };
         for j in 0..n {
             let kt = self.key_space(ctx.key(g, j), j, &sh.rope);
             r.kt_norm.push(l2_norm(&kt) + EPS);
-            unit32(if self.sim_pos { ctx.key(g, j) } else { &kt }, &mut r.ksim);
-            unit32(ctx.value(g, j), &mut r.vsim);
             r.knorm.push(l2_norm(ctx.key(g, j)) as f32);
             r.k_tilde.extend_from_slice(&kt);
         }
         r
+    }
+
+    /// The unit similarity vectors (|idx|, d) of positions `idx` of KV head
+    /// `g`: of the keys (k̃, or the captured key with `sim_pos`) or of the
+    /// values.
+    fn unit_rows(
+        &self,
+        ctx: &PrefillCtx,
+        g: usize,
+        rows: &Rows,
+        idx: &[usize],
+        values: bool,
+    ) -> Vec<f32> {
+        let d = rows.k_tilde.len() / rows.knorm.len().max(1);
+        let mut out = Vec::with_capacity(idx.len() * d);
+        for &j in idx {
+            let x = match (values, self.sim_pos) {
+                (true, _) => ctx.value(g, j),
+                (false, true) => ctx.key(g, j),
+                (false, false) => &rows.k_tilde[j * d..(j + 1) * d],
+            };
+            unit32(x, &mut out);
+        }
+        out
     }
 
     /// Build one head's state after prefill. `g` is the KV head; `s_glo`,
@@ -122,16 +211,11 @@ impl Ems {
         ctx: &PrefillCtx,
         g: usize,
         rows: &Rows,
-        s_glo: &[f64],
-        s_loc: &[f64],
+        ranked: &Ranked,
         sh: &Shape,
     ) -> HeadState {
         let n = ctx.prompt_len();
-        let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
-        let alpha = mean(s_loc) / mean(s_glo).max(1e-30);
-        let s: Vec<f64> = (0..n)
-            .map(|j| self.combine(alpha, s_glo[j], s_loc[j]))
-            .collect();
+        let (s_glo, s_loc, s) = (&ranked.s_glo, &ranked.s_loc, &ranked.s);
         let d = sh.d;
         let k_tilde = |j: usize| &rows.k_tilde[j * d..(j + 1) * d];
         let mut st = HeadState {
@@ -179,13 +263,8 @@ impl Ems {
             }
         } else {
             let c_len = n - lw;
-            let pooled = pool1d(
-                &s[..c_len].iter().map(|x| *x as f32).collect::<Vec<_>>(),
-                self.kernel,
-                Pool::Avg,
-            );
-            // centres, then the to-be-merged band, by rank; ties: the earlier position
-            let order = ranked(&pooled, 0..c_len, |i| i, Tie::KeepEarlier);
+            // centres, then the to-be-merged band, by rank
+            let order = &ranked.order;
             let mut imp: Vec<usize> = order[..sh.n_imp.min(c_len)].to_vec();
             imp.sort_unstable();
             let tbm_n = sh.n_tbm.min(c_len - imp.len());
@@ -193,21 +272,17 @@ impl Ems {
             // cos⁺ of every (to-be-merged, centre) pair at once, from the unit
             // similarity vectors: (|tbm|, |imp|)
             let nc = imp.len();
-            let pairs = |v: &[f32], used: bool| -> Vec<f32> {
+            let pairs = |values: bool, used: bool| -> Vec<f32> {
                 if !used || self.tau >= 1.0 {
                     return Vec::new();
                 }
-                let gather = |idx: &[usize]| -> Vec<f32> {
-                    idx.iter()
-                        .flat_map(|&j| v[j * d..(j + 1) * d].iter().copied())
-                        .collect()
-                };
+                let unit = |idx: &[usize]| self.unit_rows(ctx, g, rows, idx, values);
                 let mut out = vec![0f32; tbm.len() * nc];
-                kvreplay_kernels::cpu::dot_rows(&gather(tbm), &gather(&imp), d, &mut out);
+                kvreplay_kernels::cpu::dot_rows(&unit(tbm), &unit(&imp), d, &mut out);
                 out
             };
-            let kdot = pairs(&rows.ksim, self.similarity.uses_keys());
-            let vdot = pairs(&rows.vsim, self.similarity.uses_values());
+            let kdot = pairs(false, self.similarity.uses_keys());
+            let vdot = pairs(true, self.similarity.uses_values());
             let mut members: Vec<Vec<usize>> = imp.iter().map(|&c| vec![c]).collect();
             let mut zero_members: Vec<usize> = Vec::new();
             // dest_i = the most redundant centre if R >= τ and τ < 1, else the zero class
