@@ -353,7 +353,7 @@ fn step_metrics(
     c_z: f64,
     buf: &mut MetricBuf,
 ) -> [f64; 4] {
-    heads_metrics::<1>([o_c], [r], cache, single, [c_x], [c_z], buf)[0]
+    heads_metrics::<1>([o_c], [r], cache, single, [c_x], None, [c_z], buf)[0]
 }
 
 /// Reused buffers of [`heads_metrics`]: per entry and head, the cell's
@@ -368,6 +368,12 @@ struct MetricBuf {
 /// [`step_metrics`] of `M` query heads reading one cache, in one pass over
 /// its entries: every sum keeps its order (the heads' sums interleave), and
 /// the per-entry KL terms are computed as a batch before they are summed.
+///
+/// `c_w`: the compressed attention's weights per entry when each is
+/// exp(x as f64) of its shifted logit `c_x` (the CPU's attention). Then an
+/// entry of one member m whose logit has the bits of the reference's y_m
+/// has the reference's weight w_m = exp(y_m) = its own, which is taken from
+/// `c_w` (in cache) instead of the reference (from memory): the same bits.
 #[allow(clippy::too_many_arguments)]
 fn heads_metrics<const M: usize>(
     o_c: [&[f32]; M],
@@ -375,6 +381,7 @@ fn heads_metrics<const M: usize>(
     cache: &HeadCache,
     single: &[u32],
     c_x: [&[f32]; M],
+    c_w: Option<[&[f64]; M]>,
     c_z: [f64; M],
     buf: &mut MetricBuf,
 ) -> [[f64; 4]; M] {
@@ -408,7 +415,14 @@ fn heads_metrics<const M: usize>(
                     let c: f64 = cache.members[e].iter().map(|&p| r[j].w[p as usize]).sum();
                     (c, c.ln())
                 }
-                m => (r[j].w[m as usize], r[j].y[m as usize] as f64),
+                m => {
+                    let y = r[j].y[m as usize];
+                    let w = match c_w {
+                        Some(cw) if y.to_bits() == c_x[j][e].to_bits() => cw[j][e],
+                        _ => r[j].w[m as usize],
+                    };
+                    (w, y as f64)
+                }
             };
             cell[j * n + e] = c;
             ln_cell[j * n + e] = l;
@@ -678,8 +692,10 @@ fn replay_group_refs(
 }
 
 /// [`replay_group_refs`]; `shortcut`: take the attention of a group that
-/// keeps the full cache ([`Policy::keeps_full_cache`]) from the reference
-/// (false only in the test that compares the two).
+/// keeps the full cache ([`Policy::keeps_full_cache`]) from the reference,
+/// and an exact entry's full-attention weight from the step's own where
+/// they are the same bits ([`heads_metrics`]'s `c_w`) (false only in the
+/// test that compares both ways).
 fn replay_group_with(
     datas: &[&LayerData],
     policy: &dyn Policy,
@@ -703,6 +719,8 @@ fn replay_group_with(
     let (mut s, mut single, mut mb) = (Scratch::default(), Vec::new(), MetricBuf::default());
     // caches that are the full cache: their attention is the reference's
     let whole = shortcut && policy.keeps_full_cache(datas.len());
+    // whether a step's weights are exp of its shifted logits (heads_metrics)
+    let own_w = shortcut && !whole && datas.iter().all(|d| matches!(d.backend, Backend::Cpu));
     for pos in p..t {
         for (i, data) in datas.iter().enumerate() {
             session.append(i, pos, |g| (data.k_row(g, pos), data.v_row(g, pos)));
@@ -721,6 +739,7 @@ fn replay_group_with(
                     let j0 = hs[0] - heads[0];
                     let o = |k: usize| &s.out[(j0 + k) * d..(j0 + k + 1) * d];
                     let x = |k: usize| &s.x[(j0 + k) * n..(j0 + k + 1) * n];
+                    let w = |k: usize| &s.w[(j0 + k) * n..(j0 + k + 1) * n];
                     let rf = |k: usize| &reference[i][pos - p][hs[k]];
                     let z = |k: usize| s.z[j0 + k];
                     let ms: Vec<[f64; 4]> = match hs.len() {
@@ -730,6 +749,7 @@ fn replay_group_with(
                             cache,
                             &single,
                             [x(0)],
+                            own_w.then(|| [w(0)]),
                             [z(0)],
                             &mut mb,
                         )
@@ -740,6 +760,7 @@ fn replay_group_with(
                             cache,
                             &single,
                             [x(0), x(1)],
+                            own_w.then(|| [w(0), w(1)]),
                             [z(0), z(1)],
                             &mut mb,
                         )
@@ -750,6 +771,7 @@ fn replay_group_with(
                             cache,
                             &single,
                             [x(0), x(1), x(2)],
+                            own_w.then(|| [w(0), w(1), w(2)]),
                             [z(0), z(1), z(2)],
                             &mut mb,
                         )
@@ -760,6 +782,7 @@ fn replay_group_with(
                             cache,
                             &single,
                             [x(0), x(1), x(2), x(3)],
+                            own_w.then(|| [w(0), w(1), w(2), w(3)]),
                             [z(0), z(1), z(2), z(3)],
                             &mut mb,
                         )
@@ -1063,7 +1086,9 @@ mod tests {
 
     /// Every policy whose groups keep the full cache (`full`; MiniCache's
     /// unmerged layers, full and sliding-window) gives, with its attention
-    /// taken from the reference, the bits it gives recomputing it.
+    /// taken from the reference, the bits it gives recomputing it; and
+    /// policies that evict, merge or quantise give, with exact entries'
+    /// weights taken from their own step, the bits the reference's give.
     #[test]
     fn a_group_keeping_the_full_cache_takes_the_reference_bit_for_bit() {
         let (n, pt) = (5, (24, 31));
@@ -1076,6 +1101,11 @@ mod tests {
             "minicache",
             "minicache+sliding",
             "minicache:start=0.5",
+            "h2o",
+            "streaming_llm",
+            "knorm",
+            "d2o",
+            "quant",
         ] {
             let policy = crate::PolicySpec::parse(spec).unwrap().build().unwrap();
             let sliding: Vec<bool> = datas.iter().map(|d| d.window.is_some()).collect();
@@ -1176,5 +1206,80 @@ mod tests {
         assert!(kl > 1.0, "the underflowing entry dominates: {kl}");
         assert!((m[3] - kl).abs() <= 1e-12 * kl, "kl {} against {kl}", m[3]);
         assert_eq!(m[2], kept / fz);
+    }
+
+    /// An exact entry whose shifted logit has the reference's bits takes its
+    /// own step's weight (exp of the same f32): the metrics are the bits the
+    /// reference's weights give, on caches that keep the reference's
+    /// maximum (every logit the same bits), lose it (none), or merge.
+    #[test]
+    fn exact_entries_take_their_own_weight_with_the_same_bits() {
+        let (d, t) = (4usize, 12usize);
+        let f = |i: usize| (((i * 2654435761 + 29) >> 7) % 1999) as f32 / 499.0 - 2.0;
+        let q: Vec<f32> = (0..d).map(|i| f(i + 1000)).collect();
+        let keys: Vec<f32> = (0..t * d).map(f).collect();
+        let vals: Vec<f32> = (0..t * d).map(|i| f(i + 500)).collect();
+        let attend = |c: &HeadCache| {
+            let n = c.len();
+            let (mut w, mut z, mut o) = (vec![0f64; n], vec![0f64], vec![0f32; d]);
+            let (mut x, mut p) = (vec![0f32; n], vec![0f32; n]);
+            kvreplay_kernels::cpu::attend_biased_probs(
+                &q, &c.keys, &c.values, &c.bias, 0.5, &mut w, &mut z, &mut o, &mut x, &mut p,
+            );
+            (w, z[0], o, x)
+        };
+        let cache = |ps: &[usize]| {
+            let mut c = HeadCache::new(d);
+            for &p in ps {
+                c.push_exact(p, &keys[p * d..(p + 1) * d], &vals[p * d..(p + 1) * d]);
+            }
+            c
+        };
+        let full = cache(&(0..t).collect::<Vec<_>>());
+        let (fw, fz, fo, fy) = attend(&full);
+        let argmax = (0..t).find(|&p| fy[p] == 0.0).unwrap();
+        let r = RefHead {
+            out: fo.iter().map(|x| *x as f64).collect(),
+            w: fw,
+            y: fy,
+            z: fz,
+        };
+        let without: Vec<usize> = (0..t).filter(|&p| p != argmax).collect();
+        let mut merged = cache(&[argmax, (argmax + 1) % t, (argmax + 2) % t]);
+        merged.members[1] = vec![((argmax + 1) % t) as u32, ((argmax + 5) % t) as u32].into();
+        merged.bias[1] = 2f32.ln();
+        let (mut hits, mut misses) = (0, 0);
+        for c in [cache(&[argmax, 2, 7]), cache(&without), merged] {
+            let (cw, cz, co, cx) = attend(&c);
+            let mut single = Vec::new();
+            single_members(&c, &mut single);
+            for (e, &m) in single.iter().enumerate() {
+                if m != MULTI {
+                    match cx[e].to_bits() == r.y[m as usize].to_bits() {
+                        true => hits += 1,
+                        false => misses += 1,
+                    }
+                }
+            }
+            let mut b = MetricBuf::default();
+            let metrics = |w: Option<[&[f64]; 1]>, b: &mut MetricBuf| {
+                heads_metrics::<1>([&co], [&r], &c, &single, [&cx], w, [cz], b)[0].map(f64::to_bits)
+            };
+            let own = metrics(Some([&cw]), &mut b);
+            assert_eq!(own, metrics(None, &mut b), "{:?}", c.members);
+            // the control: other weights on the same entries change the KL
+            let wrong: Vec<f64> = cw.iter().map(|w| w * 0.5).collect();
+            let hit = single
+                .iter()
+                .enumerate()
+                .any(|(e, &m)| m != MULTI && cx[e].to_bits() == r.y[m as usize].to_bits());
+            assert_eq!(
+                metrics(Some([&wrong]), &mut b) != own,
+                hit,
+                "{:?}",
+                c.members
+            );
+        }
+        assert!(hits >= 5 && misses >= 10, "{hits} hits, {misses} misses");
     }
 }
