@@ -44,14 +44,19 @@ impl D2o {
             }
             sq.iter().map(|q| q.sqrt()).collect()
         };
+        // each row's cosines first (a loop the compiler vectorises: the
+        // same correctly rounded divisions), then its first maximum
+        let mut u = vec![0f64; nk];
         evict
             .iter()
             .enumerate()
             .map(|(i, &e)| {
                 let nx = l2_norm(row(e));
+                for ((u, a), ns) in u.iter_mut().zip(&ab[i * nk..(i + 1) * nk]).zip(&kept_norm) {
+                    *u = a / (nx * ns + 1e-6);
+                }
                 let mut best = (kept[0], f64::MIN);
-                for ((k, a), ns) in kept.iter().zip(&ab[i * nk..(i + 1) * nk]).zip(&kept_norm) {
-                    let u = a / (nx * ns + 1e-6);
+                for (k, &u) in kept.iter().zip(&u) {
                     if u > best.1 {
                         best = (*k, u);
                     }
