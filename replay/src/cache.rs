@@ -36,6 +36,19 @@ impl HeadCache {
         }
     }
 
+    /// An empty cache with room for `n` entries (no reallocation while it
+    /// holds at most `n`).
+    pub fn with_capacity(d: usize, n: usize) -> HeadCache {
+        HeadCache {
+            d,
+            keys: Vec::with_capacity(n * d),
+            values: Vec::with_capacity(n * d),
+            bias: Vec::with_capacity(n),
+            members: Vec::with_capacity(n),
+            bits: Vec::with_capacity(n),
+        }
+    }
+
     /// Cost of one exact f16 entry: key and value, no metadata.
     pub fn exact_bits(d: usize) -> u64 {
         2 * d as u64 * F16_BITS

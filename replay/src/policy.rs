@@ -379,7 +379,9 @@ impl<'a> PrefillCtx<'a> {
     }
     /// The exact entries of `positions` (ascending, < P) of KV head `g`.
     pub fn exact_cache(&self, g: usize, positions: &[usize]) -> HeadCache {
-        let mut c = HeadCache::new(self.data.d);
+        // room for the decode steps' entries too
+        let steps = self.data.total_len - self.data.prompt_len;
+        let mut c = HeadCache::with_capacity(self.data.d, positions.len() + steps);
         for &i in positions {
             assert!(i < self.data.prompt_len);
             c.push_exact(i, self.data.k_row(g, i), self.data.v_row(g, i));
