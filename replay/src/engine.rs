@@ -353,7 +353,7 @@ fn step_metrics(
     c_z: f64,
     buf: &mut MetricBuf,
 ) -> [f64; 4] {
-    heads_metrics::<1>([o_c], [r], cache, single, [c_x], None, [c_z], buf)[0]
+    heads_metrics::<1>([o_c], [r], cache, single, [c_x], None, false, [c_z], buf)[0]
 }
 
 /// Reused buffers of [`heads_metrics`]: per entry and head, the cell's
@@ -374,6 +374,14 @@ struct MetricBuf {
 /// entry of one member m whose logit has the bits of the reference's y_m
 /// has the reference's weight w_m = exp(y_m) = its own, which is taken from
 /// `c_w` (in cache) instead of the reference (from memory): the same bits.
+///
+/// `exact`: every entry of one member holds its position's captured key
+/// with no bias ([`Policy::exact_keys`], no sliding window; with `c_w`).
+/// Then, for a head whose largest logit is at an entry whose position has
+/// the reference's largest (both shifted logits +0), the two largest are
+/// the same number, so every such entry's shifted logit is the reference's
+/// y at its position and is taken from the step, with its weight, without
+/// reading the reference at all.
 #[allow(clippy::too_many_arguments)]
 fn heads_metrics<const M: usize>(
     o_c: [&[f32]; M],
@@ -382,6 +390,7 @@ fn heads_metrics<const M: usize>(
     single: &[u32],
     c_x: [&[f32]; M],
     c_w: Option<[&[f64]; M]>,
+    exact: bool,
     c_z: [f64; M],
     buf: &mut MetricBuf,
 ) -> [[f64; 4]; M] {
@@ -408,9 +417,25 @@ fn heads_metrics<const M: usize>(
     ln_cell.resize(M * n, 0.0);
     term.resize(M * n, 0.0);
     let mut kept = [-0.0f64; M];
+    // heads whose step and reference share their largest logit (`exact`)
+    let same_max: [bool; M] = std::array::from_fn(|j| {
+        exact
+            && c_w.is_some()
+            && c_x[j]
+                .iter()
+                .zip(single)
+                .find(|(x, &m)| x.to_bits() == 0 && m != MULTI)
+                .is_some_and(|(_, &m)| r[j].y[m as usize].to_bits() == 0)
+    });
     for (e, &m) in single.iter().enumerate() {
         for j in 0..M {
             let (c, l) = match m {
+                m if m != MULTI && same_max[j] => {
+                    #[cfg(test)]
+                    tests::FROM_STEP.with(|n| n.set(n.get() + 1));
+                    let cw = c_w.expect("same_max implies c_w");
+                    (cw[j][e], c_x[j][e] as f64)
+                }
                 MULTI => {
                     let c: f64 = cache.members[e].iter().map(|&p| r[j].w[p as usize]).sum();
                     (c, c.ln())
@@ -721,6 +746,9 @@ fn replay_group_with(
     let whole = shortcut && policy.keeps_full_cache(datas.len());
     // whether a step's weights are exp of its shifted logits (heads_metrics)
     let own_w = shortcut && !whole && datas.iter().all(|d| matches!(d.backend, Backend::Cpu));
+    // whether its exact entries' logits are the reference's where the
+    // largest is (heads_metrics)
+    let exact = own_w && policy.exact_keys() && datas.iter().all(|d| d.window.is_none());
     for pos in p..t {
         for (i, data) in datas.iter().enumerate() {
             session.append(i, pos, |g| (data.k_row(g, pos), data.v_row(g, pos)));
@@ -750,6 +778,7 @@ fn replay_group_with(
                             &single,
                             [x(0)],
                             own_w.then(|| [w(0)]),
+                            exact,
                             [z(0)],
                             &mut mb,
                         )
@@ -761,6 +790,7 @@ fn replay_group_with(
                             &single,
                             [x(0), x(1)],
                             own_w.then(|| [w(0), w(1)]),
+                            exact,
                             [z(0), z(1)],
                             &mut mb,
                         )
@@ -772,6 +802,7 @@ fn replay_group_with(
                             &single,
                             [x(0), x(1), x(2)],
                             own_w.then(|| [w(0), w(1), w(2)]),
+                            exact,
                             [z(0), z(1), z(2)],
                             &mut mb,
                         )
@@ -783,6 +814,7 @@ fn replay_group_with(
                             &single,
                             [x(0), x(1), x(2), x(3)],
                             own_w.then(|| [w(0), w(1), w(2), w(3)]),
+                            exact,
                             [z(0), z(1), z(2), z(3)],
                             &mut mb,
                         )
@@ -1084,11 +1116,19 @@ mod tests {
         }
     }
 
+    thread_local! {
+        /// Entries whose logit and weight heads_metrics took from the step
+        /// (`exact`), on this thread.
+        pub(super) static FROM_STEP: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
     /// Every policy whose groups keep the full cache (`full`; MiniCache's
     /// unmerged layers, full and sliding-window) gives, with its attention
-    /// taken from the reference, the bits it gives recomputing it; and
-    /// policies that evict, merge or quantise give, with exact entries'
-    /// weights taken from their own step, the bits the reference's give.
+    /// taken from the reference, the bits it gives recomputing it; policies
+    /// that evict, merge or quantise give, with exact entries' weights taken
+    /// from their own step, the bits the reference's give; and so does
+    /// every policy of exact keys ([`Policy::exact_keys`]: each registered
+    /// one at its defaults) with its entries' logits taken from the step.
     #[test]
     fn a_group_keeping_the_full_cache_takes_the_reference_bit_for_bit() {
         let (n, pt) = (5, (24, 31));
@@ -1096,18 +1136,43 @@ mod tests {
             .map(|l| layer(l, n, pt, (l % 2 == 1).then_some(6)))
             .collect();
         let mut seen = 0;
-        for spec in [
+        let exact: Vec<String> = crate::REGISTRY
+            .iter()
+            .map(|info| info.name.to_string())
+            .filter(|name| {
+                let p = crate::PolicySpec::parse(name).and_then(|s| s.build());
+                p.is_ok_and(|p| p.exact_keys())
+            })
+            .collect();
+        for name in [
+            "h2o",
+            "snapkv",
+            "tova",
+            "pyramidkv",
+            "adakv",
+            "scissorhands",
+        ] {
+            assert!(exact.iter().any(|x| x == name), "{name} has exact keys");
+        }
+        let fixed = [
             "full",
             "minicache",
             "minicache+sliding",
             "minicache:start=0.5",
-            "h2o",
-            "streaming_llm",
-            "knorm",
             "d2o",
             "quant",
-        ] {
-            let policy = crate::PolicySpec::parse(spec).unwrap().build().unwrap();
+            "cam",
+            "snapkv:w=4+quant",
+        ];
+        FROM_STEP.with(|c| c.set(0));
+        for spec in fixed
+            .iter()
+            .copied()
+            .chain(exact.iter().map(|s| s.as_str()))
+        {
+            let Ok(policy) = crate::PolicySpec::parse(spec).and_then(|s| s.build()) else {
+                continue;
+            };
             let sliding: Vec<bool> = datas.iter().map(|d| d.window.is_some()).collect();
             for b in [4, 12, 24] {
                 for g in replay_groups(policy.as_ref(), &sliding, b, pt.0) {
@@ -1134,6 +1199,8 @@ mod tests {
         }
         // full (5 layers x 3 budgets), and MiniCache's single layers
         assert!(seen > 15, "{seen} groups took the reference");
+        let n = FROM_STEP.with(|c| c.get());
+        assert!(n > 10_000, "{n} entries' logits came from their step");
     }
 
     /// The KL without a logarithm per entry equals the direct
@@ -1263,10 +1330,25 @@ mod tests {
             }
             let mut b = MetricBuf::default();
             let metrics = |w: Option<[&[f64]; 1]>, b: &mut MetricBuf| {
-                heads_metrics::<1>([&co], [&r], &c, &single, [&cx], w, [cz], b)[0].map(f64::to_bits)
+                heads_metrics::<1>([&co], [&r], &c, &single, [&cx], w, false, [cz], b)[0]
+                    .map(f64::to_bits)
             };
             let own = metrics(Some([&cw]), &mut b);
             assert_eq!(own, metrics(None, &mut b), "{:?}", c.members);
+            // its single entries are captured keys without bias: the same
+            // from the step's own logits where the largest is shared
+            let from_step = heads_metrics::<1>(
+                [&co],
+                [&r],
+                &c,
+                &single,
+                [&cx],
+                Some([&cw]),
+                true,
+                [cz],
+                &mut b,
+            );
+            assert_eq!(from_step[0].map(f64::to_bits), own, "{:?}", c.members);
             // the control: other weights on the same entries change the KL
             let wrong: Vec<f64> = cw.iter().map(|w| w * 0.5).collect();
             let hit = single

@@ -485,6 +485,18 @@ pub trait Policy: Send + Sync {
         false
     }
 
+    /// Whether every entry of its caches that stands for one position holds
+    /// that position's captured key unchanged, with no logit bias (entries
+    /// are only kept or evicted; values may change). Then, at a step whose
+    /// cache keeps a position of the full cache's largest logit, every such
+    /// entry's shifted logit and weight are the full cache's at its
+    /// position, and the metrics take them from the step itself instead of
+    /// reading the reference (a test compares the two on every policy that
+    /// says so). Default: no.
+    fn exact_keys(&self) -> bool {
+        false
+    }
+
     /// Budgets that give the same caches, and so every metric: two budgets
     /// (in entries per cache) with the same `Some` class replay identically,
     /// so a sweep replays one of them and reports its result at the others

@@ -338,6 +338,11 @@ impl TopK {
 }
 
 impl Policy for TopK {
+    /// Selection only keeps or evicts entries; a merge (CAM) may change
+    /// what is kept.
+    fn exact_keys(&self) -> bool {
+        self.merge.is_none()
+    }
     fn name(&self) -> String {
         self.name.to_string()
     }
