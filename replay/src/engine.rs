@@ -1151,6 +1151,8 @@ mod tests {
             "pyramidkv",
             "adakv",
             "scissorhands",
+            "cam",
+            "d2o",
         ] {
             assert!(exact.iter().any(|x| x == name), "{name} has exact keys");
         }
@@ -1159,9 +1161,10 @@ mod tests {
             "minicache",
             "minicache+sliding",
             "minicache:start=0.5",
-            "d2o",
+            "d2o:match_on=values",
+            "d2o:match_on=split",
+            "d2o:preset=code",
             "quant",
-            "cam",
             "snapkv:w=4+quant",
         ];
         FROM_STEP.with(|c| c.set(0));

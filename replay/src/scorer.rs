@@ -248,6 +248,12 @@ pub trait EvictMerge: Send + Sync {
         full: HeadCache,
         keep: &[usize],
     ) -> (HeadCache, Box<dyn EvictMergeState>);
+
+    /// Whether it leaves every kept entry's key and bias as they are (it
+    /// changes values only): [`Policy::exact_keys`]. Default: no.
+    fn exact_keys(&self) -> bool {
+        false
+    }
 }
 
 /// Decode-time state of an [`EvictMerge`] for one cache.
@@ -338,10 +344,10 @@ impl TopK {
 }
 
 impl Policy for TopK {
-    /// Selection only keeps or evicts entries; a merge (CAM) may change
-    /// what is kept.
+    /// Selection only keeps or evicts entries; a merge keeps keys only
+    /// where it says so (CAM changes values).
     fn exact_keys(&self) -> bool {
-        self.merge.is_none()
+        self.merge.as_ref().is_none_or(|m| m.exact_keys())
     }
     fn name(&self) -> String {
         self.name.to_string()

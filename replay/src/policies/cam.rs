@@ -83,6 +83,11 @@ fn merge_into(values: &mut [f32], d: usize, e: usize, window: &[usize], b: f32) 
 }
 
 impl EvictMerge for Cam {
+    /// Keys never change: an evicted value is merged into the values that
+    /// follow.
+    fn exact_keys(&self) -> bool {
+        true
+    }
     fn prefill(
         &self,
         ctx: &PrefillCtx,

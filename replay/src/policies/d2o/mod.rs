@@ -65,6 +65,12 @@ impl Policy for D2o {
     fn name(&self) -> String {
         "d2o".into()
     }
+    /// A key merge gives the kept entry its absorbed positions (it then
+    /// stands for several); a value merge leaves keys as they are; no entry
+    /// has a bias.
+    fn exact_keys(&self) -> bool {
+        true
+    }
     /// The code preset's per-query-head caches share their KV head's budget.
     fn budget_share(&self, group: usize) -> usize {
         crate::policy::share_of(self.per_query_head, self.budget_per_cache, group)
