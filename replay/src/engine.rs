@@ -1206,6 +1206,18 @@ mod tests {
         assert!(n > 10_000, "{n} entries' logits came from their step");
     }
 
+    /// One query's attention over `c` (scale 0.5): weights, their sum,
+    /// output and shifted logits.
+    fn attend_one(q: &[f32], c: &HeadCache) -> (Vec<f64>, f64, Vec<f32>, Vec<f32>) {
+        let (n, d) = (c.len(), c.d);
+        let (mut w, mut z, mut o) = (vec![0f64; n], vec![0f64], vec![0f32; d]);
+        let (mut x, mut p) = (vec![0f32; n], vec![0f32; n]);
+        kvreplay_kernels::cpu::attend_biased_probs(
+            q, &c.keys, &c.values, &c.bias, 0.5, &mut w, &mut z, &mut o, &mut x, &mut p,
+        );
+        (w, z[0], o, x)
+    }
+
     /// The KL without a logarithm per entry equals the direct
     /// Σ p ln(p / q) (q floored at f64::MIN_POSITIVE) on a cache with merged
     /// entries, a biased entry and one whose compressed weight underflows.
@@ -1221,15 +1233,7 @@ mod tests {
         for p in 0..t {
             full.push_exact(p, &keys[p * d..(p + 1) * d], &vals[p * d..(p + 1) * d]);
         }
-        let attend = |c: &HeadCache| {
-            let n = c.len();
-            let (mut w, mut z, mut o) = (vec![0f64; n], vec![0f64], vec![0f32; d]);
-            let (mut x, mut p) = (vec![0f32; n], vec![0f32; n]);
-            kvreplay_kernels::cpu::attend_biased_probs(
-                &q, &c.keys, &c.values, &c.bias, 0.5, &mut w, &mut z, &mut o, &mut x, &mut p,
-            );
-            (w, z[0], o, x)
-        };
+        let attend = |c: &HeadCache| attend_one(&q, c);
         let (fw, fz, fo, fy) = attend(&full);
         let r = RefHead {
             out: fo.iter().map(|x| *x as f64).collect(),
@@ -1289,15 +1293,7 @@ mod tests {
         let q: Vec<f32> = (0..d).map(|i| f(i + 1000)).collect();
         let keys: Vec<f32> = (0..t * d).map(f).collect();
         let vals: Vec<f32> = (0..t * d).map(|i| f(i + 500)).collect();
-        let attend = |c: &HeadCache| {
-            let n = c.len();
-            let (mut w, mut z, mut o) = (vec![0f64; n], vec![0f64], vec![0f32; d]);
-            let (mut x, mut p) = (vec![0f32; n], vec![0f32; n]);
-            kvreplay_kernels::cpu::attend_biased_probs(
-                &q, &c.keys, &c.values, &c.bias, 0.5, &mut w, &mut z, &mut o, &mut x, &mut p,
-            );
-            (w, z[0], o, x)
-        };
+        let attend = |c: &HeadCache| attend_one(&q, c);
         let cache = |ps: &[usize]| {
             let mut c = HeadCache::new(d);
             for &p in ps {
