@@ -171,7 +171,7 @@ fn reused_budget_independent_results_change_nothing() {
             for l in 0..2 {
                 let d = kvreplay_replay::engine::load_layer(&trace, l);
                 // entries per cache (⌊B/G⌋ for per-query-head caches)
-                let cb = kvreplay_replay::policy::cache_budget(p.as_ref(), b, 2);
+                let cb = kvreplay_replay::policy::cache_budget(p.as_ref(), b, d.group());
                 let fresh = kvreplay_replay::replay_layer(&d, p.as_ref(), cb).unwrap();
                 assert_eq!(
                     format!("{:?}", cached.layers[l]),

@@ -186,12 +186,11 @@ impl Ems {
     fn unit_rows(
         &self,
         ctx: &PrefillCtx,
-        g: usize,
+        (g, d): (usize, usize),
         rows: &Rows,
         idx: &[usize],
         values: bool,
     ) -> Vec<f32> {
-        let d = rows.k_tilde.len() / rows.knorm.len().max(1);
         let mut out = Vec::with_capacity(idx.len() * d);
         for &j in idx {
             let x = match (values, self.sim_pos) {
@@ -276,7 +275,7 @@ impl Ems {
                 if !used || self.tau >= 1.0 {
                     return Vec::new();
                 }
-                let unit = |idx: &[usize]| self.unit_rows(ctx, g, rows, idx, values);
+                let unit = |idx: &[usize]| self.unit_rows(ctx, (g, d), rows, idx, values);
                 let mut out = vec![0f32; tbm.len() * nc];
                 kvreplay_kernels::cpu::dot_rows(&unit(tbm), &unit(&imp), d, &mut out);
                 out
