@@ -480,13 +480,17 @@ impl Llama {
     }
 }
 
-/// Keys and values of every layer: per layer (n_kv_heads, capacity, head_dim),
-/// on the device of the first forward pass that uses it.
+/// Keys and values of every layer: per layer (n_kv_heads, capacity,
+/// head_dim) in the backend's layout ([`Backend::kv_cache`]), on the device
+/// of the first forward pass that uses it.
 #[derive(Clone)]
 pub struct KvCache {
     pub capacity: usize,
     n_layers: usize,
-    per_layer: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    /// Per layer, the keys and values in the backend's layout
+    /// ([`Backend::kv_cache`]).
     k: Vec<Buf>,
     v: Vec<Buf>,
 }
@@ -496,7 +500,8 @@ impl KvCache {
         KvCache {
             capacity,
             n_layers: cfg.n_layers,
-            per_layer: cfg.n_kv_heads * capacity * cfg.head_dim,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
             k: Vec::new(),
             v: Vec::new(),
         }
@@ -506,8 +511,9 @@ impl KvCache {
     fn ready(&mut self, be: &Backend) -> Result<(), KernelError> {
         if self.k.is_empty() {
             for _ in 0..self.n_layers {
-                self.k.push(be.zeros(self.per_layer)?);
-                self.v.push(be.zeros(self.per_layer)?);
+                let (k, v) = be.kv_cache(self.n_kv_heads, self.capacity, self.head_dim)?;
+                self.k.push(k);
+                self.v.push(v);
             }
         }
         Ok(())
@@ -785,12 +791,8 @@ impl Pass<'_> {
         let q = be.transpose_heads(&q, c, nh, hd, true)?;
         let k = be.transpose_heads(&k, c, nkv, hd, true)?;
         let v = be.transpose_heads(&v, c, nkv, hd, true)?;
-        let cap = cache.capacity;
-        for g in 0..nkv {
-            let (src, dst) = (g * c * hd, (g * cap + pos0) * hd);
-            be.copy_within(&k, src, &mut cache.k[l], dst, c * hd)?;
-            be.copy_within(&v, src, &mut cache.v[l], dst, c * hd)?;
-        }
+        let shape = (nkv, cache.capacity, hd);
+        be.store_kv(&k, &v, shape, pos0, &mut cache.k[l], &mut cache.v[l])?;
         let mut probs = if self.probs && external.is_none() {
             Some(be.zeros(nh * c * n)?)
         } else {

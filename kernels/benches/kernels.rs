@@ -147,7 +147,17 @@ fn capture_ops(c: &mut Criterion) {
     // A layer's attention (SmolLM2: 9 query heads over 3 KV heads): a
     // 256-query prefill chunk at 1792, and one decode step at 2111.
     let (nh, nkv, cap) = (9, 3, 2112);
-    let (kc, vc) = (data(nkv * cap * d, 13), data(nkv * cap * d, 14));
+    let (k, v) = (data(nkv * cap * d, 13), data(nkv * cap * d, 14));
+    // the cache in attention's layout (panels of keys, values by part)
+    let cache = || {
+        let (mut kc, mut vc) = (
+            vec![0f32; nkv * cpu::key_cache_len(cap, d)],
+            vec![0f32; nkv * cap * d],
+        );
+        cpu::store_kv(&k, &v, (nkv, cap, d), 0, &mut kc, &mut vc);
+        (kc, vc)
+    };
+    let (kc, vc) = cache();
     for (c_len, pos0) in [(256usize, 1792usize), (1, 2111)] {
         let q = data(nh * c_len * d, 15);
         let mut o = vec![0f32; nh * c_len * d];
@@ -172,6 +182,30 @@ fn capture_ops(c: &mut Criterion) {
             })
         });
     }
+    // One decode step through 30 layers' caches in turn (97 MB, more than
+    // the L3 holds), so keys and values come from memory as in capture.
+    let layers: Vec<(Vec<f32>, Vec<f32>)> = (0..30).map(|_| cache()).collect();
+    let q = data(nh * d, 15);
+    let mut o = vec![0f32; nh * d];
+    g.throughput(Throughput::Elements((30 * 2112 * nh) as u64));
+    g.bench_function("attention_heads/9x1 at 2111, 30 layers", |b| {
+        b.iter(|| {
+            for (kc, vc) in &layers {
+                cpu::attention_heads(
+                    black_box(&q),
+                    kc,
+                    vc,
+                    (nh, nkv, cap, d),
+                    2111,
+                    None,
+                    0.125,
+                    &mut o,
+                    None,
+                    None,
+                )
+            }
+        })
+    });
     let mut row = data(2048, 16);
     g.throughput(Throughput::Elements(2048));
     g.bench_function("softmax_row/2048", |b| {

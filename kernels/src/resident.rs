@@ -340,11 +340,105 @@ impl Backend {
         }
     }
 
+    /// f32 elements one KV head's keys take in this backend's KV cache of
+    /// `cap` positions: the CPU keeps keys in panels of eight positions
+    /// (`cap` rounded up to 8; [`cpu::store_kv`]), CUDA plain rows.
+    pub fn key_cache_len(&self, cap: usize, d: usize) -> usize {
+        match self {
+            Backend::Cpu => cpu::key_cache_len(cap, d),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => cap * d,
+        }
+    }
+
+    /// A layer's KV cache of `cap` positions for `n_kv_heads` heads of `d`
+    /// dimensions, zeroed, in the layout [`Backend::attention`] reads: the
+    /// keys (n_kv_heads × [`Backend::key_cache_len`]) and the values
+    /// (n_kv_heads × cap × d). Write it with [`Backend::store_kv`].
+    pub fn kv_cache(
+        &self,
+        n_kv_heads: usize,
+        cap: usize,
+        d: usize,
+    ) -> Result<(Buf, Buf), KernelError> {
+        let keys = self.zeros(n_kv_heads * self.key_cache_len(cap, d))?;
+        Ok((keys, self.zeros(n_kv_heads * cap * d)?))
+    }
+
+    /// Writes `k`, `v` (n_kv_heads, c, d), head-major, at positions pos0 ..
+    /// pos0 + c of a layer's KV cache `kc`, `vc` from
+    /// [`Backend::kv_cache`] with the same (n_kv_heads, cap, d): on the CPU
+    /// in attention's layout ([`cpu::store_kv`]), on CUDA as plain rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn store_kv(
+        &self,
+        k: &Buf,
+        v: &Buf,
+        (n_kv_heads, cap, d): (usize, usize, usize),
+        pos0: usize,
+        kc: &mut Buf,
+        vc: &mut Buf,
+    ) -> Result<(), KernelError> {
+        let c = k.len() / (n_kv_heads * d).max(1);
+        check(
+            k.len() == n_kv_heads * c * d && v.len() == k.len(),
+            "store_kv",
+            || {
+                format!(
+                    "k and v ({} and {} elements) are not ({n_kv_heads}, c, {d})",
+                    k.len(),
+                    v.len()
+                )
+            },
+        )?;
+        check(pos0 + c <= cap, "store_kv", || {
+            format!(
+                "positions {pos0} .. {} past the cache's capacity of {cap}",
+                pos0 + c
+            )
+        })?;
+        check(
+            kc.len() == n_kv_heads * self.key_cache_len(cap, d) && vc.len() == n_kv_heads * cap * d,
+            "store_kv",
+            || {
+                format!(
+                    "caches of {} and {} elements are not a KV cache of ({n_kv_heads}, {cap}, {d}) from kv_cache",
+                    kc.len(),
+                    vc.len()
+                )
+            },
+        )?;
+        match self {
+            Backend::Cpu => {
+                cpu::store_kv(
+                    k.host(),
+                    v.host(),
+                    (n_kv_heads, cap, d),
+                    pos0,
+                    kc.host_mut(),
+                    vc.host_mut(),
+                );
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => {
+                for g in 0..n_kv_heads {
+                    let (src, dst) = (g * c * d, (g * cap + pos0) * d);
+                    self.copy_within(k, src, kc, dst, c * d)?;
+                    self.copy_within(v, src, vc, dst, c * d)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Causal attention of every head of a layer in one call.
     ///
     /// - `q`: (n_heads, c, d) queries at positions pos0 .. pos0 + c
-    /// - `k`, `v`: (n_kv_heads, cap, d) caches holding positions 0 .. pos0 + c;
-    ///   query head h reads KV head h / (n_heads / n_kv_heads)
+    /// - `k`, `v`: a layer's KV cache of `cap` positions from
+    ///   [`Backend::kv_cache`], holding positions 0 .. pos0 + c (written by
+    ///   [`Backend::store_kv`]); query head h reads KV head h / (n_heads /
+    ///   n_kv_heads)
     /// - returns o (n_heads, c, d)
     /// - `colsum`: (n_heads, n_tracked): `+= Σ_i P[h, i, j]` for j < min(n_tracked, pos0 + c)
     /// - `probs`: (n_heads, c, pos0 + c) probabilities (zero above the diagonal)
@@ -393,7 +487,7 @@ impl Backend {
                 && nh.is_multiple_of(nkv)
                 && n <= cap
                 && q.len() == nh * c * d
-                && k.len() == nkv * cap * d
+                && k.len() == nkv * self.key_cache_len(cap, d)
                 && v.len() == nkv * cap * d
                 && colsum
                     .as_ref()
@@ -472,6 +566,40 @@ mod tests {
         let z = be.zeros(0).unwrap();
         let e = be.attention(&z, &z, &z, s, None, None).unwrap_err();
         assert!(e.to_string().contains("head_dim is 0"), "{e}");
+    }
+
+    #[test]
+    fn store_kv_refuses_what_does_not_fit_the_cache() {
+        let be = Backend::Cpu;
+        let (nkv, cap, d) = (2, 5, 4);
+        let (mut kc, mut vc) = be.kv_cache(nkv, cap, d).unwrap();
+        // two positions at 4: past the capacity of 5
+        let kv = be.zeros(nkv * 2 * d).unwrap();
+        let e = be
+            .store_kv(&kv, &kv, (nkv, cap, d), 4, &mut kc, &mut vc)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("store_kv") && e.to_string().contains("capacity of 5"),
+            "{e}"
+        );
+        // a plain (heads, cap, d) buffer is not the CPU's key cache
+        let mut plain = be.zeros(nkv * cap * d).unwrap();
+        let e = be
+            .store_kv(&kv, &kv, (nkv, cap, d), 0, &mut plain, &mut vc)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("store_kv") && e.to_string().contains("kv_cache"),
+            "{e}"
+        );
+        // k and v that are not (heads, c, d)
+        let odd = be.zeros(7).unwrap();
+        let e = be
+            .store_kv(&odd, &odd, (nkv, cap, d), 0, &mut kc, &mut vc)
+            .unwrap_err();
+        assert!(e.to_string().contains("store_kv"), "{e}");
+        // and the same shapes fit
+        be.store_kv(&kv, &kv, (nkv, cap, d), 3, &mut kc, &mut vc)
+            .unwrap();
     }
 
     #[test]

@@ -14,7 +14,7 @@ use common::Rng;
 use std::sync::OnceLock;
 
 use kvreplay_kernels::cpu::{AttentionStats, RopeParams, RopeStyle};
-use kvreplay_kernels::{AttnShape, Backend, DeviceRequest, Weight};
+use kvreplay_kernels::{AttnShape, Backend, Buf, DeviceRequest, Weight};
 
 fn cuda() -> &'static Result<Backend, String> {
     static CUDA: OnceLock<Result<Backend, String>> = OnceLock::new();
@@ -29,6 +29,17 @@ fn cuda() -> &'static Result<Backend, String> {
 }
 
 /// The backends to check: the CPU, plus CUDA when usable (else say why not).
+/// A layer's KV cache on `b` (its own layout, through `kv_cache` and
+/// `store_kv`) holding every position of the plain (n_kv_heads, cap, d)
+/// rows `k` and `v`.
+fn kv_cache(b: &Backend, k: &[f32], v: &[f32], (nkv, cap, d): (usize, usize, usize)) -> (Buf, Buf) {
+    let (mut kc, mut vc) = b.kv_cache(nkv, cap, d).unwrap();
+    let (k, v) = (b.upload(k).unwrap(), b.upload(v).unwrap());
+    b.store_kv(&k, &v, (nkv, cap, d), 0, &mut kc, &mut vc)
+        .unwrap();
+    (kc, vc)
+}
+
 fn backends(test: &str) -> Vec<Backend> {
     let mut v = vec![Backend::Cpu];
     match cuda() {
@@ -312,11 +323,12 @@ fn parity_layer_attention_all_heads_in_one_call() {
         };
         let mut cs = b.upload(&vec![0.25f32; nh * tracked]).unwrap();
         let mut pr = b.zeros(nh * c * n).unwrap();
+        let (kc, vc) = kv_cache(&b, &k, &v, (nkv, cap, d));
         let o = b
             .attention(
                 &b.upload(&q).unwrap(),
-                &b.upload(&k).unwrap(),
-                &b.upload(&v).unwrap(),
+                &kc,
+                &vc,
                 shape,
                 Some(&mut cs),
                 Some(&mut pr),
@@ -443,11 +455,12 @@ fn parity_sliding_window_attention() {
         };
         let mut cs = b.upload(&vec![0f32; nh * n]).unwrap();
         let mut pr = b.zeros(nh * c * n).unwrap();
+        let (kc, vc) = kv_cache(&b, &k, &v, (nkv, cap, d));
         let o = b
             .attention_windowed(
                 &b.upload(&q).unwrap(),
-                &b.upload(&k).unwrap(),
-                &b.upload(&v).unwrap(),
+                &kc,
+                &vc,
                 shape,
                 Some(w),
                 Some(&mut cs),
@@ -564,10 +577,10 @@ fn parity_residual_add_transpose_and_copy() {
             head_dim: 4,
             scale: 0.5,
         };
-        let kv = b.upload(&[0.5; 12]).unwrap();
+        let (kc, vc) = kv_cache(&b, &[0.5; 12], &[0.5; 12], (1, 3, 4));
         let mut cs = b.upload(&[0.25; 6]).unwrap();
         let o = b
-            .attention(&e, &kv, &kv, shape, Some(&mut cs), None)
+            .attention(&e, &kc, &vc, shape, Some(&mut cs), None)
             .unwrap();
         assert!(o.is_empty());
         assert_eq!(

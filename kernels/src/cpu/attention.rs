@@ -78,7 +78,17 @@ pub fn windowed_attention_head(
     }
     let tracked = stats.colsum.as_deref().map_or(0, |cs| cs.len().min(n));
     let mut part = vec![0f32; tracked];
-    let keys = (c > 1).then(|| PackedKeys::new(&k[..n * d], d, key_start(pos0, window)));
+    // Many queries: the keys packed once into panels; one: 64 at a time.
+    let packed = (c > 1).then(|| pack_panels(&k[..n * d], d, key_start(pos0, window)));
+    let keys = match &packed {
+        Some((k0, data)) => Keys::Panels { k0: *k0, data },
+        None => Keys::Rows(&k[..n * d]),
+    };
+    let values = [VPart {
+        data: &v[..n * d],
+        stride: d,
+        dims: (0, d),
+    }];
     for r0 in (0..c).step_by(ROWS) {
         let rows = (c - r0).min(ROWS);
         let probs = stats
@@ -88,11 +98,10 @@ pub fn windowed_attention_head(
         let cs = stats.colsum.is_some().then_some(&mut part[..]);
         let q = &q[r0 * d..(r0 + rows) * d];
         let out = &mut out[r0 * d..(r0 + rows) * d];
-        let kv = (&k[..n * d], &v[..n * d]);
         attend(
             q,
-            keys.as_ref(),
-            kv,
+            keys,
+            &values,
             d,
             pos0 + r0,
             window,
@@ -125,22 +134,122 @@ fn add_and_clear(colsum: &mut [f32], part: &mut [f32]) {
     }
 }
 
+/// Parts a layer's value cache splits each head's dimensions into, and a
+/// one-query step its keys into: a fixed number (results do not depend on
+/// it). Each part's value rows are contiguous, so a decode step's
+/// weighted-values task streams one run of memory.
+const PARTS: usize = 2;
+
+/// f32 elements one KV head's keys take in a CPU key cache of `cap`
+/// positions: whole panels of eight positions (see [`store_kv`]).
+pub fn key_cache_len(cap: usize, d: usize) -> usize {
+    cap.div_ceil(8) * 8 * d
+}
+
+/// The dimensions t0 .. t1 of each value part of a head of `d` dimensions:
+/// the first parts whole vectors of eight, the last the rest (possibly
+/// empty, for d < 8 the first).
+fn value_dims(d: usize) -> [(usize, usize); PARTS] {
+    let split = (d / 8).div_ceil(PARTS) * 8;
+    core::array::from_fn(|i| {
+        let t1 = if i + 1 == PARTS {
+            d
+        } else {
+            ((i + 1) * split).min(d)
+        };
+        ((i * split).min(d), t1)
+    })
+}
+
+/// KV head `g`'s value parts in a CPU value cache (n_kv_heads, cap, d).
+fn value_parts(vc: &[f32], g: usize, cap: usize, d: usize) -> [VPart<'_>; PARTS] {
+    let head = &vc[g * cap * d..(g + 1) * cap * d];
+    value_dims(d).map(|(t0, t1)| VPart {
+        data: &head[cap * t0..cap * t1],
+        stride: t1 - t0,
+        dims: (t0, t1),
+    })
+}
+
+/// Writes positions pos0 .. pos0 + c of every KV head into a layer's CPU
+/// KV cache, in the layout attention reads:
+/// - `k`, `v`: (n_kv_heads, c, d), head-major rows;
+/// - `kc` (n_kv_heads, ⌈cap/8⌉, d, 8): per KV head, panels of eight
+///   positions, `kc[g·L + (⌊j/8⌋·d + t)·8 + j mod 8]` = key j, dimension t
+///   (L = [`key_cache_len`]`(cap, d)`), which the score kernels read as
+///   they are;
+/// - `vc` (n_kv_heads, cap, d): per KV head, the dimensions in [`PARTS`]
+///   parts t0 .. t1, each part (cap, t1 − t0) rows of its dimensions, so a
+///   part's positions are contiguous.
+///
+/// Data movement only. Panics if the shapes do not fit (the backend
+/// checks them first).
+#[allow(clippy::too_many_arguments)]
+pub fn store_kv(
+    k: &[f32],
+    v: &[f32],
+    (n_kv_heads, cap, d): (usize, usize, usize),
+    pos0: usize,
+    kc: &mut [f32],
+    vc: &mut [f32],
+) {
+    let c = k.len() / (n_kv_heads * d).max(1);
+    assert!(
+        k.len() == n_kv_heads * c * d && v.len() == k.len(),
+        "store_kv: k/v are not (heads, c, d)"
+    );
+    assert!(pos0 + c <= cap, "store_kv: positions past the capacity");
+    let kl = key_cache_len(cap, d);
+    assert!(
+        kc.len() == n_kv_heads * kl && vc.len() == n_kv_heads * cap * d,
+        "store_kv: caches are not (heads, cap, d)"
+    );
+    for g in 0..n_kv_heads {
+        let (kg, vg) = (
+            &k[g * c * d..(g + 1) * c * d],
+            &v[g * c * d..(g + 1) * c * d],
+        );
+        let panels = &mut kc[g * kl..(g + 1) * kl];
+        for (i, key) in kg.chunks_exact(d).enumerate() {
+            let j = pos0 + i;
+            let panel = &mut panels[(j / 8) * 8 * d..(j / 8 + 1) * 8 * d];
+            for (t, x) in key.iter().enumerate() {
+                panel[t * 8 + j % 8] = *x;
+            }
+        }
+        let head = &mut vc[g * cap * d..(g + 1) * cap * d];
+        for (t0, t1) in value_dims(d) {
+            let w = t1 - t0;
+            if w == 0 {
+                continue;
+            }
+            let part = &mut head[cap * t0..cap * t1];
+            for (i, row) in vg.chunks_exact(d).enumerate() {
+                let j = pos0 + i;
+                part[j * w..(j + 1) * w].copy_from_slice(&row[t0..t1]);
+            }
+        }
+    }
+}
+
 /// Causal attention of every head of a layer, in parallel: the same bits as
 /// [`windowed_attention_head`] per head, for any thread count. Tasks are
-/// (head, block of [`ROWS`] queries) with the keys packed once per KV head;
-/// a single query per head (decode) runs one task per KV head, its query
-/// heads together, so each key and value is read once.
+/// (head, block of [`ROWS`] queries), reading the keys' panels from the
+/// cache as they are; a single query per head (decode) runs per KV head,
+/// its query heads together, so each key and value is read once.
 ///
 /// - `q`: (n_heads, c, d) at positions pos0 .. pos0 + c
-/// - `k`, `v`: (n_kv_heads, cap, d); query head h reads KV head h / (n_heads / n_kv_heads)
+/// - `kc`, `vc`: a layer's KV cache of `cap` positions in the layout of
+///   [`store_kv`], holding positions 0 .. pos0 + c; query head h reads KV
+///   head h / (n_heads / n_kv_heads)
 /// - `out`: (n_heads, c, d)
 /// - `colsum`: (n_heads, n_tracked), `+= Σ_i P[h, i, j]` for j < min(n_tracked, pos0 + c)
 /// - `probs`: (n_heads, c, pos0 + c)
 #[allow(clippy::too_many_arguments)]
 pub fn attention_heads(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kc: &[f32],
+    vc: &[f32],
     (n_heads, n_kv_heads, cap, d): (usize, usize, usize, usize),
     pos0: usize,
     window: Option<usize>,
@@ -155,7 +264,8 @@ pub fn attention_heads(
     let c = q.len() / (n_heads * d).max(1);
     let n = pos0 + c;
     assert!(q.len() == n_heads * c * d && out.len() == q.len() && n <= cap);
-    assert!(k.len() == n_kv_heads * cap * d && v.len() == k.len());
+    let kl = key_cache_len(cap, d);
+    assert!(kc.len() == n_kv_heads * kl && vc.len() == n_kv_heads * cap * d);
     if n_heads == 0 || c == 0 {
         return;
     }
@@ -168,14 +278,12 @@ pub fn attention_heads(
     }
     if c == 1 {
         let shape = (n_heads, n_kv_heads, cap, d);
-        return one_query_heads(q, k, v, shape, pos0, window, scale, out, colsum, probs);
+        return one_query_heads(q, kc, vc, shape, pos0, window, scale, out, colsum, probs);
     }
     let group = n_heads / n_kv_heads;
-    let kv_of = |g: usize| {
-        (
-            &k[g * cap * d..(g * cap + n) * d],
-            &v[g * cap * d..(g * cap + n) * d],
-        )
+    let keys_of = |g: usize| Keys::Panels {
+        k0: 0,
+        data: &kc[g * kl..(g + 1) * kl],
     };
     let n_tracked = colsum.as_ref().map_or(0, |cs| cs.len() / n_heads);
     let tracked = n_tracked.min(n);
@@ -202,12 +310,6 @@ pub fn attention_heads(
         outs.extend(head.chunks_mut(ROWS * d));
     }
     debug_assert!(outs.len() == tasks && probs_rows.len() == tasks && part_rows.len() == tasks);
-    // Keys packed once per KV head, shared by its query heads and blocks.
-    let lo = key_start(pos0, window);
-    let packed: Vec<PackedKeys> = (0..n_kv_heads)
-        .into_par_iter()
-        .map(|g| PackedKeys::new(kv_of(g).0, d, lo))
-        .collect();
     outs.par_iter_mut()
         .zip(probs_rows.par_iter_mut())
         .zip(part_rows.par_iter_mut())
@@ -218,8 +320,20 @@ pub fn attention_heads(
             let g = h / group;
             let r0 = b * ROWS;
             let qs = &q[(h * c + r0) * d..(h * c + r0 + rows) * d];
-            let (pk, pr, cs) = (Some(&packed[g]), pr.as_deref_mut(), cs.as_deref_mut());
-            attend(qs, pk, kv_of(g), d, pos0 + r0, window, scale, o, pr, cs);
+            let values = value_parts(vc, g, cap, d);
+            let (pr, cs) = (pr.as_deref_mut(), cs.as_deref_mut());
+            attend(
+                qs,
+                keys_of(g),
+                &values,
+                d,
+                pos0 + r0,
+                window,
+                scale,
+                o,
+                pr,
+                cs,
+            );
         });
     if let Some(colsum) = colsum {
         for h in 0..n_heads {
@@ -232,21 +346,17 @@ pub fn attention_heads(
     }
 }
 
-/// Parts a one-query step is split into: keys for the scores, dimensions
-/// for the weighted values (a fixed number: results do not depend on it).
-const PARTS: usize = 2;
-
 /// [`attention_heads`] for one query per head (decode). Two parallel
 /// phases, so that both threads stream keys and values even with fewer KV
-/// heads than 2 per thread: scores per (KV head, run of keys), then per (KV
-/// head, part of the dimensions) the softmax of its query heads' rows and
-/// their weighted values over those dimensions. Every value is computed as
+/// heads than 2 per thread: scores per (KV head, run of key panels), then
+/// per (KV head, value part) the softmax of its query heads' rows and their
+/// weighted values over the part's dimensions. Every value is computed as
 /// in [`attend`] (the same bits).
 #[allow(clippy::too_many_arguments)]
 fn one_query_heads(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kc: &[f32],
+    vc: &[f32],
     (n_heads, n_kv_heads, cap, d): (usize, usize, usize, usize),
     pos: usize,
     window: Option<usize>,
@@ -257,14 +367,18 @@ fn one_query_heads(
 ) {
     use rayon::prelude::*;
     let group = n_heads / n_kv_heads;
+    let kl = key_cache_len(cap, d);
     let n = pos + 1;
     let klo = key_start(pos, window);
     let w = n - klo;
-    // Key runs: whole packs of 64 keys, the last ragged.
-    let run = w.div_ceil(PARTS).div_ceil(64) * 64;
-    let runs: Vec<(usize, usize)> = (0..PARTS)
-        .map(|i| (klo + (i * run).min(w), klo + ((i + 1) * run).min(w)))
-        .collect();
+    // Score columns: keys ks .. n, from the panel holding the first key
+    // (the keys before klo are scored and left out of the softmax), in
+    // runs of whole packs of 64 keys, the last ragged.
+    let ks = klo & !7;
+    let ws = (n - ks).div_ceil(8) * 8;
+    let run = (n - ks).div_ceil(PARTS).div_ceil(64) * 64;
+    let runs: [(usize, usize); PARTS] =
+        core::array::from_fn(|i| (ks + (i * run).min(n - ks), ks + ((i + 1) * run).min(n - ks)));
     // Phase 1: per (KV head, run) the scores of its query rows, (group,
     // run width rounded up to 8).
     let scored: Vec<Vec<f32>> = (0..n_kv_heads * PARTS)
@@ -274,60 +388,55 @@ fn one_query_heads(
             let pw = (j1 - j0).div_ceil(8) * 8;
             let mut s = vec![0f32; group * pw];
             let qg = &q[g * group * d..(g + 1) * group * d];
-            let kg = &k[g * cap * d..];
-            let mut panel = vec![0f32; 64 * d];
-            for p0 in (j0..j1).step_by(64) {
-                let nk = (j1 - p0).min(64);
-                let np = nk.div_ceil(8);
-                pack_keys(&kg[p0 * d..(p0 + nk) * d], d, &mut panel[..np * 8 * d]);
-                scores(qg, &panel[..np * 8 * d], d, &mut s[p0 - j0..], pw);
-            }
+            let kp = &kc[g * kl + j0 * d..g * kl + (j0 + pw) * d];
+            scores(qg, kp, d, &mut s, pw);
             s
         })
         .collect();
-    // The rows, whole: (n_heads, ws), ws = w rounded up to 8.
-    let ws = w.div_ceil(8) * 8;
+    // The rows, whole: (n_heads, ws), column i for key ks + i.
     let mut rows = vec![0f32; n_heads * ws];
     for (t, part) in scored.iter().enumerate() {
         let (g, (j0, j1)) = (t / PARTS, runs[t % PARTS]);
         let pw = (j1 - j0).div_ceil(8) * 8;
         for r in 0..group {
             let dst = &mut rows[(g * group + r) * ws..(g * group + r + 1) * ws];
-            dst[j0 - klo..j1 - klo].copy_from_slice(&part[r * pw..r * pw + (j1 - j0)]);
+            dst[j0 - ks..j1 - ks].copy_from_slice(&part[r * pw..r * pw + (j1 - j0)]);
         }
     }
-    // Phase 2: per (KV head, part of the dimensions) the softmax of the
-    // group's rows (the same in every part) and their weighted values.
-    let split = (d / 8).div_ceil(PARTS) * 8;
-    let dims: Vec<(usize, usize)> = (0..PARTS)
-        .map(|i| {
-            let t1 = if i + 1 == PARTS {
-                d
-            } else {
-                ((i + 1) * split).min(d)
-            };
-            ((i * split).min(d), t1)
-        })
-        .collect();
+    // Phase 2: per (KV head, value part) the softmax of the group's rows
+    // over keys klo .. n (the same in every part) and their weighted values
+    // over the part's dimensions.
+    let lo = klo - ks;
     let done: Vec<(Vec<f32>, Vec<f32>)> = (0..n_kv_heads * PARTS)
         .into_par_iter()
         .map(|t| {
-            let (g, dim) = (t / PARTS, dims[t % PARTS]);
+            let (g, i) = (t / PARTS, t % PARTS);
             let mut p = rows[g * group * ws..(g + 1) * group * ws].to_vec();
             for row in p.chunks_exact_mut(ws) {
-                softmax_row(&mut row[..w], scale);
+                softmax_row(&mut row[lo..lo + w], scale);
             }
-            let mut o = vec![0f32; group * d];
-            let vg = &v[(g * cap + klo) * d..(g * cap + n) * d];
-            weighted_values(&p, ws, vg, d, dim, &mut o);
+            let part = value_parts(vc, g, cap, d)[i];
+            let (t0, t1) = part.dims;
+            let mut o = vec![0f32; group * (t1 - t0)];
+            let vs = &part.data[klo * part.stride..n * part.stride];
+            weighted_values(
+                &p[lo..],
+                ws,
+                group,
+                vs,
+                part.stride,
+                t1 - t0,
+                &mut o,
+                t1 - t0,
+            );
             (p, o)
         })
         .collect();
     for (t, (_, o)) in done.iter().enumerate() {
-        let (g, (t0, t1)) = (t / PARTS, dims[t % PARTS]);
+        let (g, (t0, t1)) = (t / PARTS, value_dims(d)[t % PARTS]);
         for r in 0..group {
             let h = g * group + r;
-            out[h * d + t0..h * d + t1].copy_from_slice(&o[r * d + t0..r * d + t1]);
+            out[h * d + t0..h * d + t1].copy_from_slice(&o[r * (t1 - t0)..(r + 1) * (t1 - t0)]);
         }
     }
     // Probabilities and column sums from each KV head's first part.
@@ -338,7 +447,7 @@ fn one_query_heads(
                 let h = g * group + r;
                 let dst = &mut pr[h * n..(h + 1) * n];
                 dst[..klo].fill(0.0);
-                dst[klo..].copy_from_slice(&p[r * ws..r * ws + w]);
+                dst[klo..].copy_from_slice(&p[r * ws + lo..r * ws + lo + w]);
             }
         }
     }
@@ -351,31 +460,40 @@ fn one_query_heads(
                 let h = g * group + r;
                 let csh = &mut cs[h * n_tracked..h * n_tracked + tracked];
                 for j in klo..tracked {
-                    csh[j] += 0.0 + p[r * ws + j - klo];
+                    csh[j] += 0.0 + p[r * ws + j - ks];
                 }
             }
         }
     }
 }
 
-/// Keys `k0 ..` of a (n, d) key matrix in panels of eight keys, each panel
-/// (d, 8): `data[(p·d + t)·8 + l]` = key k0 + 8p + l, dimension t (zero past
-/// the last key). `k0` is a multiple of 8, so a block can start at any
-/// panel.
-struct PackedKeys {
-    k0: usize,
-    data: Vec<f32>,
+/// Keys as [`attend`] reads them.
+#[derive(Clone, Copy)]
+enum Keys<'a> {
+    /// Panels of eight keys, each (d, 8), from key `k0` (a multiple of 8):
+    /// `data[((j − k0)/8·d + t)·8 + (j − k0) mod 8]` = key j, dimension t.
+    Panels { k0: usize, data: &'a [f32] },
+    /// Plain (n, d) rows, packed 64 at a time as they are read (one query).
+    Rows(&'a [f32]),
 }
 
-impl PackedKeys {
-    /// Keys from the panel holding `lo` to the end of `k`.
-    fn new(k: &[f32], d: usize, lo: usize) -> PackedKeys {
-        let n = k.len() / d;
-        let k0 = lo & !7;
-        let mut data = vec![0f32; (n - k0).div_ceil(8) * 8 * d];
-        pack_keys(&k[k0 * d..], d, &mut data);
-        PackedKeys { k0, data }
-    }
+/// A run of a head's value dimensions: `data[j·stride + t − t0]` = value j,
+/// dimension t, for t in `dims` (t0 .. t1).
+#[derive(Clone, Copy)]
+struct VPart<'a> {
+    data: &'a [f32],
+    stride: usize,
+    dims: (usize, usize),
+}
+
+/// Keys from the panel holding `lo` to the end of the (n, d) rows `k`, as
+/// panels: (k0, data) for [`Keys::Panels`].
+fn pack_panels(k: &[f32], d: usize, lo: usize) -> (usize, Vec<f32>) {
+    let n = k.len() / d;
+    let k0 = lo & !7;
+    let mut data = vec![0f32; (n - k0).div_ceil(8) * 8 * d];
+    pack_keys(&k[k0 * d..], d, &mut data);
+    (k0, data)
 }
 
 simd_fn! {
@@ -433,16 +551,15 @@ fn pack_keys_impl<S: Simd>(k: &[f32], d: usize, dst: &mut [f32]) {
     }
 }
 
-/// Query rows (rows, d) at positions p0 .. p0 + rows over keys and values
-/// (n, d): out (rows, d); `probs` (rows, n), zero outside each query's
-/// keys; `part` (tracked,): `+= P[i, j]` over the rows in order. `packed`:
-/// the keys as [`PackedKeys`]; None packs them 64 at a time as it goes (one
-/// query).
+/// Query rows (rows, d) at positions p0 .. p0 + rows over `keys` and the
+/// value parts `values` (together the head's d dimensions): out (rows, d);
+/// `probs` (rows, n), zero outside each query's keys; `part` (tracked,):
+/// `+= P[i, j]` over the rows in order.
 #[allow(clippy::too_many_arguments)]
 fn attend(
     q: &[f32],
-    packed: Option<&PackedKeys>,
-    (k, v): (&[f32], &[f32]),
+    keys: Keys<'_>,
+    values: &[VPart<'_>],
     d: usize,
     p0: usize,
     window: Option<usize>,
@@ -463,17 +580,20 @@ fn attend(
         };
         // Score columns cover keys ks .. ks + ws (whole panels): the keys
         // before a query's window start and after its position get 0.
-        let ks = if packed.is_some() { klo & !7 } else { klo };
+        let ks = match keys {
+            Keys::Panels { .. } => klo & !7,
+            Keys::Rows(_) => klo,
+        };
         let ws = (khi - ks).div_ceil(8) * 8;
         s.clear();
         s.resize(rows * ws, 0.0);
-        match packed {
-            Some(pk) => {
-                assert!(ks >= pk.k0);
-                let at = (ks - pk.k0) * d;
-                scores(q, &pk.data[at..at + ws * d], d, s, ws);
+        match keys {
+            Keys::Panels { k0, data } => {
+                assert!(ks >= k0);
+                let at = (ks - k0) * d;
+                scores(q, &data[at..at + ws * d], d, s, ws);
             }
-            None => {
+            Keys::Rows(k) => {
                 // Pack 64 keys at a time into a small buffer.
                 let mut panel = [0f32; 8 * 64];
                 let mut big = Vec::new();
@@ -499,8 +619,12 @@ fn attend(
             softmax_row(&mut row[lo..valid], scale);
             row[valid..].fill(0.0);
         }
-        weighted_values(s, ws, &v[ks * d..khi * d], d, (0, d), out);
         let cols = khi - ks;
+        for vp in values {
+            let (t0, t1) = vp.dims;
+            let vs = &vp.data[ks * vp.stride..khi * vp.stride];
+            weighted_values(s, ws, rows, vs, vp.stride, t1 - t0, &mut out[t0..], d);
+        }
         if let Some(part) = part.filter(|p| p.len() > ks) {
             let m = (part.len() - ks).min(cols);
             for row in s.chunks_exact(ws) {
@@ -703,36 +827,36 @@ fn scores_impl<S: Simd>(q: &[f32], kp: &[f32], d: usize, s: &mut [f32], ws: usiz
 const KEYS_AHEAD: usize = 64;
 const PV_AHEAD: usize = 64;
 
-/// out (R, 8V) at `o` (row stride d) = p (nk, R) at `p` (the R rows'
-/// weights interleaved per key) · v (nk, ·) at `v` (row stride d), added to
-/// what `o` holds unless `first`: one fused chain over the keys per element.
+/// out (R, 8V) at `o` (row stride `os`) = p (nk, R) at `p` (the R rows'
+/// weights interleaved per key) · v (nk, ·) at `v` (row stride `vs`), added
+/// to what `o` holds unless `first`: one fused chain over the keys per
+/// element.
 #[inline(always)]
 unsafe fn pv_tile<S: Simd, const R: usize, const V: usize>(
     p: *const f32,
     nk: usize,
-    v: *const f32,
-    d: usize,
-    o: *mut f32,
+    (v, vs): (*const f32, usize),
+    (o, os): (*mut f32, usize),
     first: bool,
 ) {
     let mut acc = [[S::zero(); V]; R];
     if !first {
         for (r, ar) in acc.iter_mut().enumerate() {
             for (u, x) in ar.iter_mut().enumerate() {
-                *x = S::load(o.add(r * d + 8 * u));
+                *x = S::load(o.add(r * os + 8 * u));
             }
         }
     }
     for j in 0..nk {
         // Values stream from memory (decode): ask for the row PV_AHEAD keys
         // on, every line of it this tile reads.
-        let ahead = v.wrapping_add((j + PV_AHEAD) * d);
+        let ahead = v.wrapping_add((j + PV_AHEAD) * vs);
         for line in (0..8 * V).step_by(16) {
             S::prefetch(ahead.wrapping_add(line).cast());
         }
         let mut b = [S::zero(); V];
         for (u, bu) in b.iter_mut().enumerate() {
-            *bu = S::load(v.add(j * d + 8 * u));
+            *bu = S::load(v.add(j * vs + 8 * u));
         }
         for (r, ar) in acc.iter_mut().enumerate() {
             let a = S::splat(*p.add(j * R + r));
@@ -743,7 +867,7 @@ unsafe fn pv_tile<S: Simd, const R: usize, const V: usize>(
     }
     for (r, ar) in acc.iter().enumerate() {
         for (u, x) in ar.iter().enumerate() {
-            S::store(o.add(r * d + 8 * u), *x);
+            S::store(o.add(r * os + 8 * u), *x);
         }
     }
 }
@@ -760,27 +884,37 @@ fn interleave<const R: usize>(src: &[f32], ws: usize, jn: usize, pi: &mut [f32])
 }
 
 simd_fn! {
-    /// out (rows, d), dimensions t0 .. t1 only (t0 a multiple of 8) = p
-    /// (rows, ws; its first nk = v.len() / d columns) · v (nk, d): per
+    /// out (rows, w) with row stride `os` = p (rows, ws; its first nk
+    /// columns) · v (nk, w) with row stride `vs`, nk = v.len() / vs: per
     /// element one fused chain over the keys in order.
-    fn weighted_values(p: &[f32], ws: usize, v: &[f32], d: usize, dims: (usize, usize), out: &mut [f32]) = weighted_values_impl;
+    fn weighted_values(p: &[f32], ws: usize, rows: usize, v: &[f32], vs: usize, w: usize, out: &mut [f32], os: usize) = weighted_values_impl;
 }
 
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn weighted_values_impl<S: Simd>(
     p: &[f32],
     ws: usize,
+    rows: usize,
     v: &[f32],
-    d: usize,
-    (t0, t1): (usize, usize),
+    vs: usize,
+    w: usize,
     out: &mut [f32],
+    os: usize,
 ) {
-    let rows = out.len() / d;
-    let nk = v.len() / d;
-    assert!(nk <= ws && p.len() >= rows * ws && out.len() == rows * d && v.len() == nk * d);
-    assert!(t0.is_multiple_of(8) && t0 <= t1 && t1 <= d);
-    // Whole vectors uo .. uo + nv of each row (dimensions 8uo ..).
-    let (uo, nv) = (t0 / 8, (t1 / 8).saturating_sub(t0 / 8));
+    if rows == 0 || w == 0 {
+        return;
+    }
+    assert!(w <= vs && w <= os);
+    let nk = v.len() / vs;
+    assert_eq!(nk * vs, v.len(), "weighted values: v is not (nk, stride)");
+    assert!(nk <= ws && p.len() >= (rows - 1) * ws + nk);
+    assert!(
+        out.len() >= (rows - 1) * os + w,
+        "weighted values: out is not (rows, w)"
+    );
+    // Whole vectors 0 .. nv of each row.
+    let nv = w / 8;
     // The rows of a tile, interleaved per key: pi[j·R + r] = p[r, j].
     let mut pi = [0f32; MR * KV];
     macro_rules! tile {
@@ -791,9 +925,8 @@ fn weighted_values_impl<S: Simd>(
                 pv_tile::<S, $r, $v>(
                     pi.as_ptr(),
                     $jn,
-                    v.as_ptr().add($j0 * d + 8 * (uo + $u0)),
-                    d,
-                    out.as_mut_ptr().add($r0 * d + 8 * (uo + $u0)),
+                    (v.as_ptr().add($j0 * vs + 8 * $u0), vs),
+                    (out.as_mut_ptr().add($r0 * os + 8 * $u0), os),
                     $j0 == 0,
                 )
             }
@@ -855,19 +988,19 @@ fn weighted_values_impl<S: Simd>(
             }
         }
         if nk == 0 {
-            for row in out.chunks_exact_mut(d) {
-                row[8 * uo..8 * (uo + nv)].fill(0.0);
+            for r in 0..rows {
+                out[r * os..r * os + 8 * nv].fill(0.0);
             }
         }
     }
     // Dimensions past the last multiple of 8: the same chain, in scalars.
-    for t in (8 * (d / 8)).max(t0)..t1 {
+    for t in 8 * nv..w {
         for r in 0..rows {
             let mut acc = 0f32;
             for j in 0..nk {
-                acc = p[r * ws + j].mul_add(v[j * d + t], acc);
+                acc = p[r * ws + j].mul_add(v[j * vs + t], acc);
             }
-            out[r * d + t] = acc;
+            out[r * os + t] = acc;
         }
     }
 }
@@ -1018,17 +1151,29 @@ mod tests {
     /// column sums and probabilities.
     #[test]
     fn all_heads_in_parallel_equal_one_head_at_a_time() {
-        let (nh, nkv, d, cap) = (6, 2, 12, 300);
-        for &(c, pos0, window) in &[
-            (70usize, 5usize, None),
-            (1, 200, None),
-            (1, 200, Some(17usize)),
-            (33, 100, Some(40)),
-            (64, 0, None),
+        let (nh, nkv, cap) = (6, 2, 300);
+        for &(d, c, pos0, window) in &[
+            (12, 70usize, 5usize, None),
+            (12, 1, 200, None),
+            (12, 1, 200, Some(17usize)),
+            // a decode window whose first key is off a panel boundary
+            (12, 1, 203, Some(18)),
+            (64, 1, 203, Some(18)),
+            (5, 1, 203, Some(18)),
+            (12, 33, 100, Some(40)),
+            (72, 33, 100, Some(40)),
+            (12, 64, 0, None),
+            (5, 9, 290, None),
         ] {
             let n = pos0 + c;
             let q = data(nh * c * d, 0.11);
             let (k, v) = (data(nkv * cap * d, 0.21), data(nkv * cap * d, 0.31));
+            // The cache in attention's layout, every position written.
+            let (mut kc, mut vc) = (
+                vec![0f32; nkv * key_cache_len(cap, d)],
+                vec![0f32; nkv * cap * d],
+            );
+            store_kv(&k, &v, (nkv, cap, d), 0, &mut kc, &mut vc);
             let tracked = 150;
             let cs0: Vec<f32> = data(nh * tracked, 0.41).iter().map(|x| x.abs()).collect();
             let run = |threads: usize| {
@@ -1041,8 +1186,8 @@ mod tests {
                 pool.install(|| {
                     attention_heads(
                         &q,
-                        &k,
-                        &v,
+                        &kc,
+                        &vc,
                         (nh, nkv, cap, d),
                         pos0,
                         window,
@@ -1057,11 +1202,11 @@ mod tests {
             let (o, cs, pr) = run(2);
             assert!(
                 run(1) == (o.clone(), cs.clone(), pr.clone()),
-                "c={c}: threads"
+                "d={d} c={c}: threads"
             );
             assert!(
                 run(3) == (o.clone(), cs.clone(), pr.clone()),
-                "c={c}: threads"
+                "d={d} c={c}: threads"
             );
             let group = nh / nkv;
             for h in 0..nh {
@@ -1085,13 +1230,71 @@ mod tests {
                         probs: Some(&mut prh),
                     },
                 );
-                assert_eq!(oh, o[h * c * d..(h + 1) * c * d], "c={c} head {h}: o");
+                assert_eq!(oh, o[h * c * d..(h + 1) * c * d], "d={d} c={c} head {h}: o");
                 assert_eq!(
                     csh,
                     cs[h * tracked..(h + 1) * tracked],
-                    "c={c} head {h}: colsum"
+                    "d={d} c={c} head {h}: colsum"
                 );
-                assert_eq!(prh, pr[h * c * n..(h + 1) * c * n], "c={c} head {h}: probs");
+                assert_eq!(
+                    prh,
+                    pr[h * c * n..(h + 1) * c * n],
+                    "d={d} c={c} head {h}: probs"
+                );
+            }
+        }
+    }
+
+    /// A cache written a chunk or a position at a time equals one written at
+    /// once, and holds key j, dimension t and value j, dimension t where
+    /// attention reads them (panels of eight keys; values by part).
+    #[test]
+    fn the_kv_cache_holds_each_position_where_attention_reads_it() {
+        for (nkv, cap, d) in [
+            (2usize, 21usize, 12usize),
+            (1, 16, 64),
+            (3, 9, 5),
+            (1, 10, 72),
+        ] {
+            let (k, v) = (data(nkv * cap * d, 0.6), data(nkv * cap * d, 0.7));
+            let kl = key_cache_len(cap, d);
+            let fresh = || (vec![0f32; nkv * kl], vec![0f32; nkv * cap * d]);
+            let (mut ka, mut va) = fresh();
+            store_kv(&k, &v, (nkv, cap, d), 0, &mut ka, &mut va);
+            // (heads, c, d) rows of positions p0 .. p0 + c
+            let rows = |x: &[f32], p0: usize, c: usize| -> Vec<f32> {
+                (0..nkv)
+                    .flat_map(|g| x[(g * cap + p0) * d..(g * cap + p0 + c) * d].to_vec())
+                    .collect()
+            };
+            for chunk in [1usize, 3, 8] {
+                let (mut kb, mut vb) = fresh();
+                for p0 in (0..cap).step_by(chunk) {
+                    let c = chunk.min(cap - p0);
+                    store_kv(
+                        &rows(&k, p0, c),
+                        &rows(&v, p0, c),
+                        (nkv, cap, d),
+                        p0,
+                        &mut kb,
+                        &mut vb,
+                    );
+                }
+                assert!(ka == kb && va == vb, "d={d}: chunks of {chunk}");
+            }
+            let dims = value_dims(d);
+            for g in 0..nkv {
+                let parts = value_parts(&va, g, cap, d);
+                for j in 0..cap {
+                    for t in 0..d {
+                        let want = (k[(g * cap + j) * d + t], v[(g * cap + j) * d + t]);
+                        let key = ka[g * kl + ((j / 8) * d + t) * 8 + j % 8];
+                        let i = dims.iter().position(|&(t0, t1)| t0 <= t && t < t1).unwrap();
+                        let p = parts[i];
+                        let value = p.data[j * p.stride + t - p.dims.0];
+                        assert_eq!((key, value), want, "d={d} head {g} position {j} dim {t}");
+                    }
+                }
             }
         }
     }
@@ -1162,8 +1365,8 @@ mod tests {
             scores_impl::<Portable>(&q, &kp, d, &mut s2, np * 8);
             assert_eq!(s1, s2, "d={d} scores");
             let (mut o1, mut o2) = (vec![0f32; rows * d], vec![0f32; rows * d]);
-            weighted_values(&s1, np * 8, &v, d, (0, d), &mut o1);
-            weighted_values_impl::<Portable>(&s1, np * 8, &v, d, (0, d), &mut o2);
+            weighted_values(&s1, np * 8, rows, &v, d, d, &mut o1, d);
+            weighted_values_impl::<Portable>(&s1, np * 8, rows, &v, d, d, &mut o2, d);
             assert_eq!(o1, o2, "d={d} outputs");
             let mut r1 = data(w, 4.5);
             let mut r2 = r1.clone();
@@ -1186,10 +1389,10 @@ mod tests {
                     .map(|x| x.abs())
                     .collect();
                 let mut all = vec![0f32; rows * d];
-                weighted_values(&p, nk, &v, d, (0, d), &mut all);
+                weighted_values(&p, nk, rows, &v, d, d, &mut all, d);
                 for r in 0..rows {
                     let mut one = vec![0f32; d];
-                    weighted_values(&p[r * nk..(r + 1) * nk], nk, &v, d, (0, d), &mut one);
+                    weighted_values(&p[r * nk..(r + 1) * nk], nk, 1, &v, d, d, &mut one, d);
                     assert_eq!(one, all[r * d..(r + 1) * d], "d={d} rows={rows} row {r}");
                 }
             }

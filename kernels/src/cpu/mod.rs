@@ -13,7 +13,8 @@ pub(crate) mod simd;
 pub mod vector;
 
 pub use attention::{
-    attention_heads, causal_attention_head, softmax_row, windowed_attention_head, AttentionStats,
+    attention_heads, causal_attention_head, key_cache_len, softmax_row, store_kv,
+    windowed_attention_head, AttentionStats,
 };
 pub use decode::{
     attend_biased, attend_biased_multi, attend_biased_probs, attention_rows, dot, dot_rows,
