@@ -389,7 +389,7 @@ fn one_query_heads(
             let mut s = vec![0f32; group * pw];
             let qg = &q[g * group * d..(g + 1) * group * d];
             let kp = &kc[g * kl + j0 * d..g * kl + (j0 + pw) * d];
-            scores(qg, kp, d, &mut s, pw);
+            scores(qg, kp, d, &mut s, pw, true);
             s
         })
         .collect();
@@ -591,7 +591,7 @@ fn attend(
             Keys::Panels { k0, data } => {
                 assert!(ks >= k0);
                 let at = (ks - k0) * d;
-                scores(q, &data[at..at + ws * d], d, s, ws);
+                scores(q, &data[at..at + ws * d], d, s, ws, false);
             }
             Keys::Rows(k) => {
                 // Pack 64 keys at a time into a small buffer.
@@ -608,7 +608,7 @@ fn attend(
                     let np = nk.div_ceil(8);
                     pack_keys(&k[j0 * d..(j0 + nk) * d], d, &mut buf[..np * 8 * d]);
                     let cols = &mut s[j0 - klo..];
-                    scores(q, &buf[..np * 8 * d], d, cols, ws);
+                    scores(q, &buf[..np * 8 * d], d, cols, ws, false);
                 }
             }
         }
@@ -723,9 +723,18 @@ unsafe fn qk_tile<S: Simd, const R: usize, const P: usize>(
     kp: *const f32,
     s: *mut f32,
     ws: usize,
+    stream: bool,
 ) {
     let mut acc = [[S::zero(); P]; R];
     for t in 0..d {
+        if stream && t % 2 == 0 {
+            // Keys stream from memory (decode): ask for each panel's line
+            // KEYS_AHEAD keys on (the hardware prefetchers lose track of
+            // a tile's interleaved panels).
+            for p in 0..P {
+                S::prefetch(kp.wrapping_add((p * d + t) * 8 + KEYS_AHEAD * d).cast());
+            }
+        }
         let mut b = [S::zero(); P];
         for (p, bp) in b.iter_mut().enumerate() {
             *bp = S::load(kp.add((p * d + t) * 8));
@@ -746,12 +755,13 @@ unsafe fn qk_tile<S: Simd, const R: usize, const P: usize>(
 
 simd_fn! {
     /// s (rows, ·) with row stride `ws`, its first kp.len() / d columns =
-    /// q (rows, d) · the keys in `kp` (whole panels).
-    fn scores(q: &[f32], kp: &[f32], d: usize, s: &mut [f32], ws: usize) = scores_impl;
+    /// q (rows, d) · the keys in `kp` (whole panels). `stream`: the keys
+    /// come from memory once (decode), so the kernel prefetches them.
+    fn scores(q: &[f32], kp: &[f32], d: usize, s: &mut [f32], ws: usize, stream: bool) = scores_impl;
 }
 
 #[inline(always)]
-fn scores_impl<S: Simd>(q: &[f32], kp: &[f32], d: usize, s: &mut [f32], ws: usize) {
+fn scores_impl<S: Simd>(q: &[f32], kp: &[f32], d: usize, s: &mut [f32], ws: usize, stream: bool) {
     let rows = q.len() / d;
     let cols = kp.len() / d;
     assert!(cols.is_multiple_of(8) && cols <= ws && q.len() == rows * d);
@@ -768,6 +778,7 @@ fn scores_impl<S: Simd>(q: &[f32], kp: &[f32], d: usize, s: &mut [f32], ws: usiz
                     kp.as_ptr().add($p0 * 8 * d),
                     s.as_mut_ptr().add($r0 * ws + 8 * $p0),
                     ws,
+                    stream,
                 )
             }
         };
@@ -1361,8 +1372,8 @@ mod tests {
             let mut kp = vec![0f32; np * 8 * d];
             pack_keys(&k, d, &mut kp);
             let (mut s1, mut s2) = (vec![0f32; rows * np * 8], vec![0f32; rows * np * 8]);
-            scores(&q, &kp, d, &mut s1, np * 8);
-            scores_impl::<Portable>(&q, &kp, d, &mut s2, np * 8);
+            scores(&q, &kp, d, &mut s1, np * 8, true);
+            scores_impl::<Portable>(&q, &kp, d, &mut s2, np * 8, false);
             assert_eq!(s1, s2, "d={d} scores");
             let (mut o1, mut o2) = (vec![0f32; rows * d], vec![0f32; rows * d]);
             weighted_values(&s1, np * 8, rows, &v, d, d, &mut o1, d);
