@@ -573,30 +573,20 @@ mod tests {
         let be = Backend::Cpu;
         let (nkv, cap, d) = (2, 5, 4);
         let (mut kc, mut vc) = be.kv_cache(nkv, cap, d).unwrap();
-        // two positions at 4: past the capacity of 5
-        let kv = be.zeros(nkv * 2 * d).unwrap();
-        let e = be
-            .store_kv(&kv, &kv, (nkv, cap, d), 4, &mut kc, &mut vc)
-            .unwrap_err();
-        assert!(
-            e.to_string().contains("store_kv") && e.to_string().contains("capacity of 5"),
-            "{e}"
-        );
-        // a plain (heads, cap, d) buffer is not the CPU's key cache
-        let mut plain = be.zeros(nkv * cap * d).unwrap();
-        let e = be
-            .store_kv(&kv, &kv, (nkv, cap, d), 0, &mut plain, &mut vc)
-            .unwrap_err();
-        assert!(
-            e.to_string().contains("store_kv") && e.to_string().contains("kv_cache"),
-            "{e}"
-        );
-        // k and v that are not (heads, c, d)
+        let kv = be.zeros(nkv * 2 * d).unwrap(); // two positions
         let odd = be.zeros(7).unwrap();
-        let e = be
-            .store_kv(&odd, &odd, (nkv, cap, d), 0, &mut kc, &mut vc)
-            .unwrap_err();
-        assert!(e.to_string().contains("store_kv"), "{e}");
+        let mut plain = be.zeros(nkv * cap * d).unwrap();
+        let refused = |k: &Buf, pos0: usize, keys: &mut Buf, values: &mut Buf, want: &str| {
+            let e = be
+                .store_kv(k, k, (nkv, cap, d), pos0, keys, values)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("store_kv") && e.contains(want), "{e}");
+        };
+        refused(&kv, 4, &mut kc, &mut vc, "capacity of 5");
+        // a plain (heads, cap, d) buffer is not the CPU's key cache
+        refused(&kv, 0, &mut plain, &mut vc, "from kv_cache");
+        refused(&odd, 0, &mut kc, &mut vc, "are not (2, c, 4)");
         // and the same shapes fit
         be.store_kv(&kv, &kv, (nkv, cap, d), 3, &mut kc, &mut vc)
             .unwrap();
