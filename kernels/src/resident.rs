@@ -369,7 +369,6 @@ impl Backend {
     /// pos0 + c of a layer's KV cache `kc`, `vc` from
     /// [`Backend::kv_cache`] with the same (n_kv_heads, cap, d): on the CPU
     /// in attention's layout ([`cpu::store_kv`]), on CUDA as plain rows.
-    #[allow(clippy::too_many_arguments)]
     pub fn store_kv(
         &self,
         k: &Buf,

@@ -184,7 +184,6 @@ fn value_parts(vc: &[f32], g: usize, cap: usize, d: usize) -> [VPart<'_>; PARTS]
 ///
 /// Data movement only. Panics if the shapes do not fit (the backend
 /// checks them first).
-#[allow(clippy::too_many_arguments)]
 pub fn store_kv(
     k: &[f32],
     v: &[f32],
@@ -407,6 +406,7 @@ fn one_query_heads(
     // over keys klo .. n (the same in every part) and their weighted values
     // over the part's dimensions.
     let lo = klo - ks;
+    let dims = value_dims(d);
     let done: Vec<(Vec<f32>, Vec<f32>)> = (0..n_kv_heads * PARTS)
         .into_par_iter()
         .map(|t| {
@@ -433,7 +433,7 @@ fn one_query_heads(
         })
         .collect();
     for (t, (_, o)) in done.iter().enumerate() {
-        let (g, (t0, t1)) = (t / PARTS, value_dims(d)[t % PARTS]);
+        let (g, (t0, t1)) = (t / PARTS, dims[t % PARTS]);
         for r in 0..group {
             let h = g * group + r;
             out[h * d + t0..h * d + t1].copy_from_slice(&o[r * (t1 - t0)..(r + 1) * (t1 - t0)]);
