@@ -151,9 +151,15 @@ pub fn attend_biased_probs(
     );
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && d.is_multiple_of(8) && d > 0 {
-        // 1. every (query, entry) dot product, 8 at a time
-        // SAFETY: AVX2 is present; shapes were checked above.
-        unsafe { dots_avx2(q, keys, d, x) };
+        // 1. every (query, entry) dot product, 8 at a time, a block of keys
+        // at a time: every query reads the block while it is in cache
+        let block = block_rows(d);
+        for e0 in (0..n).step_by(block) {
+            let e1 = (e0 + block).min(n);
+            // SAFETY: AVX2 is present; shapes were checked above, and
+            // x[j·n + e0 ..] holds e1 − e0 elements per query j.
+            unsafe { dots_avx2(q, &keys[e0 * d..e1 * d], d, &mut x[e0..], n) };
+        }
         // SAFETY: AVX2 is present; shapes were checked above.
         unsafe { softmax_rows_avx2(x, w, z, p, bias, scale) };
         // 4. out = Σ_e p_e v_e in entry order, up to three queries at a time
@@ -264,29 +270,37 @@ fn sums_in_order(w: &[f64], n: usize, z: &mut [f64]) {
     }
 }
 
-/// `out[i · nb + j] = dot(a_i, b_j)` for the rows of `a` (na, d) and `b`
+/// Rows of keys or values (of `d` floats) per block that replay's attention
+/// reads while it stays in L1: 16 KiB, at least 8 rows.
+fn block_rows(d: usize) -> usize {
+    ((16 << 10) / (4 * d.max(1))).max(8)
+}
+
+/// `out[i · ldo + j] = dot(a_i, b_j)` for the rows of `a` (na, d) and `b`
 /// (nb, d), d a multiple of 8: [`dot`]'s arithmetic exactly (eight lanes,
 /// products then sums, its final reduction), eight pairs per pass: tiles of
 /// 2 rows of `a` × 4 rows of `b` (a last odd row of `a` against 8 rows of
-/// `b`), and [`dot`] itself for the few pairs at the edges.
+/// `b`), and [`dot`] itself for the few pairs at the edges. `ldo` ≥ nb: the
+/// stride of `out`'s rows.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn dots_avx2(a: &[f32], b: &[f32], d: usize, out: &mut [f32]) {
+unsafe fn dots_avx2(a: &[f32], b: &[f32], d: usize, out: &mut [f32], ldo: usize) {
     let (na, nb) = (a.len() / d, b.len() / d);
-    debug_assert!(out.len() == na * nb && d.is_multiple_of(8));
+    assert!(ldo >= nb && (na == 0 || out.len() >= (na - 1) * ldo + nb));
+    debug_assert!(d.is_multiple_of(8));
     let (ap, bp) = (a.as_ptr(), b.as_ptr());
     let mut i = 0;
     while i + 2 <= na {
         let mut j = 0;
         while j + 4 <= nb {
             let r = tile::<2, 4>(ap.add(i * d), bp.add(j * d), d);
-            out[i * nb + j..i * nb + j + 4].copy_from_slice(&r[..4]);
-            out[(i + 1) * nb + j..(i + 1) * nb + j + 4].copy_from_slice(&r[4..]);
+            out[i * ldo + j..i * ldo + j + 4].copy_from_slice(&r[..4]);
+            out[(i + 1) * ldo + j..(i + 1) * ldo + j + 4].copy_from_slice(&r[4..]);
             j += 4;
         }
         for jj in j..nb {
             for ii in i..i + 2 {
-                out[ii * nb + jj] = dot(&a[ii * d..(ii + 1) * d], &b[jj * d..(jj + 1) * d]);
+                out[ii * ldo + jj] = dot(&a[ii * d..(ii + 1) * d], &b[jj * d..(jj + 1) * d]);
             }
         }
         i += 2;
@@ -295,11 +309,11 @@ unsafe fn dots_avx2(a: &[f32], b: &[f32], d: usize, out: &mut [f32]) {
         let mut j = 0;
         while j + 8 <= nb {
             let r = tile::<1, 8>(ap.add(i * d), bp.add(j * d), d);
-            out[i * nb + j..i * nb + j + 8].copy_from_slice(&r);
+            out[i * ldo + j..i * ldo + j + 8].copy_from_slice(&r);
             j += 8;
         }
         for jj in j..nb {
-            out[i * nb + jj] = dot(&a[i * d..(i + 1) * d], &b[jj * d..(jj + 1) * d]);
+            out[i * ldo + jj] = dot(&a[i * d..(i + 1) * d], &b[jj * d..(jj + 1) * d]);
         }
     }
 }
@@ -346,10 +360,41 @@ unsafe fn tile<const R: usize, const C: usize>(a: *const f32, b: *const f32, d: 
 /// Columns go in passes of 64 (one query), 32 (two) or 24 and 16 (three), so
 /// that enough independent sums are in flight without spilling registers;
 /// any width gives the same sums.
+///
+/// Entries go in blocks of [`block_rows`], every column pass over a block
+/// before the next (the sums carried in `out`: the same additions in the
+/// same order), so each block of values is read from memory once.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn weighted_values_avx2(p: &[f32], values: &[f32], d: usize, out: &mut [f32]) {
     let m = out.len() / d;
+    let n = p.len() / m.max(1);
+    let block = block_rows(d);
+    let mut e0 = 0;
+    loop {
+        let e1 = (e0 + block).min(n);
+        weighted_block(p, n, values, d, out, m, e0..e1);
+        if e1 >= n {
+            break;
+        }
+        e0 = e1;
+    }
+}
+
+/// Entries `es` of [`weighted_values_avx2`]; the first block starts its
+/// sums at zero, a later one from `out`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn weighted_block(
+    p: &[f32],
+    n: usize,
+    values: &[f32],
+    d: usize,
+    out: &mut [f32],
+    m: usize,
+    es: std::ops::Range<usize>,
+) {
     let mut t0 = 0;
     while t0 < d {
         // at most 9 accumulators, so that they, a values row and the
@@ -357,58 +402,70 @@ unsafe fn weighted_values_avx2(p: &[f32], values: &[f32], d: usize, out: &mut [f
         // columns, 12 accumulators, spilled and ran 1.4x slower)
         t0 += match (m, d - t0) {
             (1, 64..) => {
-                weighted_pass::<1, 8>(p, values, d, out, t0);
+                weighted_pass::<1, 8>(p, n, values, d, out, t0, es.clone());
                 64
             }
             (1, 32..) => {
-                weighted_pass::<1, 4>(p, values, d, out, t0);
+                weighted_pass::<1, 4>(p, n, values, d, out, t0, es.clone());
                 32
             }
             (2, 32..) => {
-                weighted_pass::<2, 4>(p, values, d, out, t0);
+                weighted_pass::<2, 4>(p, n, values, d, out, t0, es.clone());
                 32
             }
             (3, 40..) => {
-                weighted_pass::<3, 3>(p, values, d, out, t0);
+                weighted_pass::<3, 3>(p, n, values, d, out, t0, es.clone());
                 24
             }
             (3, 16..) => {
-                weighted_pass::<3, 2>(p, values, d, out, t0);
+                weighted_pass::<3, 2>(p, n, values, d, out, t0, es.clone());
                 16
             }
             (1, _) => {
-                weighted_pass::<1, 1>(p, values, d, out, t0);
+                weighted_pass::<1, 1>(p, n, values, d, out, t0, es.clone());
                 8
             }
             (2, _) => {
-                weighted_pass::<2, 1>(p, values, d, out, t0);
+                weighted_pass::<2, 1>(p, n, values, d, out, t0, es.clone());
                 8
             }
             _ => {
-                weighted_pass::<3, 1>(p, values, d, out, t0);
+                weighted_pass::<3, 1>(p, n, values, d, out, t0, es.clone());
                 8
             }
         };
     }
 }
 
-/// Columns t0 .. t0 + 8W of [`weighted_values_avx2`] for M queries.
+/// Columns t0 .. t0 + 8W of [`weighted_values_avx2`] for M queries over
+/// entries `es` (`p` (M, n)): from zero when `es` starts at entry 0, else
+/// continuing the sums in `out`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
 #[allow(clippy::needless_range_loop)] // lanes index several arrays
 unsafe fn weighted_pass<const M: usize, const W: usize>(
     p: &[f32],
+    n: usize,
     values: &[f32],
     d: usize,
     out: &mut [f32],
     t0: usize,
+    es: std::ops::Range<usize>,
 ) {
     use std::arch::x86_64::*;
-    let n = p.len() / M;
+    debug_assert!(p.len() == M * n && es.end <= n && values.len() >= n * d);
     let vp = values.as_ptr().add(t0);
+    let op = out.as_mut_ptr();
     let mut acc = [[_mm256_setzero_ps(); W]; M];
-    for e in 0..n {
+    if es.start > 0 {
+        for j in 0..M {
+            for r in 0..W {
+                acc[j][r] = _mm256_loadu_ps(op.add(j * d + t0 + 8 * r));
+            }
+        }
+    }
+    for e in es {
         let row = vp.add(e * d);
         for j in 0..M {
             let pe = _mm256_set1_ps(*p.get_unchecked(j * n + e));
@@ -420,7 +477,6 @@ unsafe fn weighted_pass<const M: usize, const W: usize>(
             }
         }
     }
-    let op = out.as_mut_ptr();
     for j in 0..M {
         for r in 0..W {
             _mm256_storeu_ps(op.add(j * d + t0 + 8 * r), acc[j][r]);
@@ -485,7 +541,7 @@ pub fn dot_rows(a: &[f32], b: &[f32], d: usize, out: &mut [f32]) {
             "dot_rows: shapes do not match (na={na}, nb={nb}, d={d})"
         );
         // SAFETY: AVX2 is present; shapes were checked above.
-        unsafe { dots_avx2(a, b, d, out) };
+        unsafe { dots_avx2(a, b, d, out, nb) };
         return;
     }
     with_avx2!(dot_rows_generic(a, b, d, out))
@@ -547,7 +603,7 @@ pub fn attention_rows(
         assert!(m <= n, "attention_rows: a row attends to {m} > {n} keys");
         let mut dots = vec![0f32; r * m];
         // SAFETY: AVX2 is present; shapes were checked above.
-        unsafe { dots_avx2(q, &keys[..m * d], d, &mut dots) };
+        unsafe { dots_avx2(q, &keys[..m * d], d, &mut dots, m) };
         for (i, row) in out.chunks_exact_mut(n).enumerate() {
             let (live, rest) = row.split_at_mut(lens[i]);
             for (x, dt) in live.iter_mut().zip(&dots[i * m..]) {
@@ -678,6 +734,12 @@ mod tests {
             (3, 17, 40),
             (1, 9, 37),
             (3, 5, 3),
+            // blocks of entries (`block_rows`): a partial last block, one
+            // entry past a block, two blocks and a bit of d = 8
+            (3, 2111, 64),
+            (3, 130, 64),
+            (1, 65, 64),
+            (2, 1300, 8),
         ] {
             let q: Vec<f32> = (0..nq * d).map(|i| f(i, 1) * 3.0).collect();
             let k: Vec<f32> = (0..n * d).map(|i| f(i, 2) * 3.0).collect();
