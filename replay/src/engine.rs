@@ -398,130 +398,103 @@ fn heads_metrics<const M: usize>(
     c_z: [f64; M],
     buf: &mut MetricBuf,
 ) -> [[f64; 4]; M] {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2")]
-        unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
-            f()
-        }
-        if std::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2 (checked just above).
-            return unsafe {
-                avx2(
-                    #[inline(always)]
-                    || heads_metrics_body(o_c, r, cache, single, c_x, c_w, exact, c_z, buf),
-                )
-            };
-        }
-    }
-    heads_metrics_body(o_c, r, cache, single, c_x, c_w, exact, c_z, buf)
-}
-
-/// [`heads_metrics`]' arithmetic.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn heads_metrics_body<const M: usize>(
-    o_c: [&[f32]; M],
-    r: [&RefHead; M],
-    cache: &HeadCache,
-    single: &[u32],
-    c_x: [&[f32]; M],
-    c_w: Option<[&[f64]; M]>,
-    exact: bool,
-    c_z: [f64; M],
-    buf: &mut MetricBuf,
-) -> [[f64; 4]; M] {
-    let n = single.len();
-    let mut out = [[0f64; 4]; M];
-    for j in 0..M {
-        // four sums in one pass, each in element order from -0.0 (as
-        // `Iterator::sum` adds), so their additions overlap
-        let [mut diff, mut nf, mut nc, mut dotp] = [-0.0f64; 4];
-        for (a, &b) in o_c[j].iter().zip(&r[j].out) {
-            let a = *a as f64;
-            diff += (a - b) * (a - b);
-            nf += b * b;
-            nc += a * a;
-            dotp += a * b;
-        }
-        out[j][0] = (diff / nf.max(1e-300)).sqrt();
-        out[j][1] = dotp / (nf.sqrt() * nc.sqrt()).max(1e-300);
-    }
-    // Full-attention weight on each entry's members (and its logarithm: the
-    // reference's shifted logit for one member), and on everything represented.
-    let MetricBuf {
-        cell,
-        ln_cell,
-        term,
-    } = buf;
-    cell.resize(M * n, 0.0);
-    ln_cell.resize(M * n, 0.0);
-    term.resize(M * n, 0.0);
-    let mut kept = [-0.0f64; M];
-    // heads whose step and reference share their largest logit (`exact`)
-    let same_max: [bool; M] = std::array::from_fn(|j| {
-        exact
-            && c_w.is_some()
-            && c_x[j]
-                .iter()
-                .zip(single)
-                .find(|(x, &m)| x.to_bits() == 0 && m != MULTI)
-                .is_some_and(|(_, &m)| r[j].y[m as usize].to_bits() == 0)
-    });
-    for (e, &m) in single.iter().enumerate() {
-        for j in 0..M {
-            let (c, l) = match m {
-                m if m != MULTI && same_max[j] => {
-                    #[cfg(test)]
-                    tests::FROM_STEP.with(|n| n.set(n.get() + 1));
-                    let cw = c_w.expect("same_max implies c_w");
-                    (cw[j][e], c_x[j][e] as f64)
+    // compiled for AVX2 where the CPU has it (the closure is inlined there)
+    kvreplay_kernels::cpu::with_avx2(
+        #[inline(always)]
+        || {
+            let n = single.len();
+            let mut out = [[0f64; 4]; M];
+            for j in 0..M {
+                // four sums in one pass, each in element order from -0.0 (as
+                // `Iterator::sum` adds), so their additions overlap
+                let [mut diff, mut nf, mut nc, mut dotp] = [-0.0f64; 4];
+                for (a, &b) in o_c[j].iter().zip(&r[j].out) {
+                    let a = *a as f64;
+                    diff += (a - b) * (a - b);
+                    nf += b * b;
+                    nc += a * a;
+                    dotp += a * b;
                 }
-                MULTI => {
-                    let c: f64 = cache.members[e].iter().map(|&p| r[j].w[p as usize]).sum();
-                    (c, c.ln())
-                }
-                m => {
-                    let y = r[j].y[m as usize];
-                    let w = match c_w {
-                        Some(cw) if y.to_bits() == c_x[j][e].to_bits() => cw[j][e],
-                        _ => r[j].w[m as usize],
+                out[j][0] = (diff / nf.max(1e-300)).sqrt();
+                out[j][1] = dotp / (nf.sqrt() * nc.sqrt()).max(1e-300);
+            }
+            // Full-attention weight on each entry's members (and its logarithm: the
+            // reference's shifted logit for one member), and on everything represented.
+            let MetricBuf {
+                cell,
+                ln_cell,
+                term,
+            } = buf;
+            cell.resize(M * n, 0.0);
+            ln_cell.resize(M * n, 0.0);
+            term.resize(M * n, 0.0);
+            let mut kept = [-0.0f64; M];
+            // heads whose step and reference share their largest logit (`exact`)
+            let same_max: [bool; M] = std::array::from_fn(|j| {
+                exact
+                    && c_w.is_some()
+                    && c_x[j]
+                        .iter()
+                        .zip(single)
+                        .find(|(x, &m)| x.to_bits() == 0 && m != MULTI)
+                        .is_some_and(|(_, &m)| r[j].y[m as usize].to_bits() == 0)
+            });
+            for (e, &m) in single.iter().enumerate() {
+                for j in 0..M {
+                    let (c, l) = match m {
+                        m if m != MULTI && same_max[j] => {
+                            #[cfg(test)]
+                            tests::FROM_STEP.with(|n| n.set(n.get() + 1));
+                            let cw = c_w.expect("same_max implies c_w");
+                            (cw[j][e], c_x[j][e] as f64)
+                        }
+                        MULTI => {
+                            let c: f64 = cache.members[e].iter().map(|&p| r[j].w[p as usize]).sum();
+                            (c, c.ln())
+                        }
+                        m => {
+                            let y = r[j].y[m as usize];
+                            let w = match c_w {
+                                Some(cw) if y.to_bits() == c_x[j][e].to_bits() => cw[j][e],
+                                _ => r[j].w[m as usize],
+                            };
+                            (w, y as f64)
+                        }
                     };
-                    (w, y as f64)
+                    cell[j * n + e] = c;
+                    ln_cell[j * n + e] = l;
+                    kept[j] += c;
                 }
-            };
-            cell[j * n + e] = c;
-            ln_cell[j * n + e] = l;
-            kept[j] += c;
-        }
-    }
-    for j in 0..M {
-        out[j][2] = kept[j] / r[j].z;
-        let (ln_kept, ln_cz) = (kept[j].ln(), c_z[j].ln());
-        let rows = j * n..(j + 1) * n;
-        for (((t, we), lc), x) in term[rows.clone()]
-            .iter_mut()
-            .zip(&cell[rows.clone()])
-            .zip(&ln_cell[rows])
-            .zip(c_x[j])
-        {
-            // an entry without full-attention weight adds nothing (+0 leaves
-            // the sum, which starts at +0, unchanged)
-            let ln_q = (*x as f64 - ln_cz).max(LN_MIN_POSITIVE);
-            let v = (we / kept[j]) * (lc - ln_kept - ln_q);
-            *t = if *we > 0.0 { v } else { 0.0 };
-        }
-    }
-    let mut kl = [0f64; M];
-    for e in 0..n {
-        for j in 0..M {
-            kl[j] += term[j * n + e];
-        }
-    }
-    for j in 0..M {
-        out[j][3] = kl[j];
-    }
-    out
+            }
+            for j in 0..M {
+                out[j][2] = kept[j] / r[j].z;
+                let (ln_kept, ln_cz) = (kept[j].ln(), c_z[j].ln());
+                let rows = j * n..(j + 1) * n;
+                for (((t, we), lc), x) in term[rows.clone()]
+                    .iter_mut()
+                    .zip(&cell[rows.clone()])
+                    .zip(&ln_cell[rows])
+                    .zip(c_x[j])
+                {
+                    // an entry without full-attention weight adds nothing (+0 leaves
+                    // the sum, which starts at +0, unchanged)
+                    let ln_q = (*x as f64 - ln_cz).max(LN_MIN_POSITIVE);
+                    let v = (we / kept[j]) * (lc - ln_kept - ln_q);
+                    *t = if *we > 0.0 { v } else { 0.0 };
+                }
+            }
+            let mut kl = [0f64; M];
+            for e in 0..n {
+                for j in 0..M {
+                    kl[j] += term[j * n + e];
+                }
+            }
+            for j in 0..M {
+                out[j][3] = kl[j];
+            }
+            out
+        },
+    )
 }
 
 /// `single` marker of an entry that stands for several positions (or none).

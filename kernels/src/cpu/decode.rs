@@ -1,22 +1,30 @@
 //! Replay-side kernels: attention of decode queries over a (compressed) cache
 //! with per-entry logit bias, causal scoring rows, and top-k selection.
 
-/// Run `body` compiled for AVX2 when the CPU has it (same results: the
-/// vectorised loops keep their lane order and no multiply-add is fused).
+/// `f()`, compiled for AVX2 when the CPU has it: pass a closure marked
+/// `#[inline(always)]` whose callees are too, so that its body is compiled
+/// inside this function. Same results: Rust fuses no multiply-add and
+/// vectorised loops keep every sum's order.
+#[inline(always)]
+pub fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 (checked just above).
+            return unsafe { avx2(f) };
+        }
+    }
+    f()
+}
+
+/// Run `body` compiled for AVX2 when the CPU has it ([`with_avx2`]).
 macro_rules! with_avx2 {
     ($generic:ident ( $($arg:expr),* )) => {{
-        #[cfg(target_arch = "x86_64")]
-        {
-            #[target_feature(enable = "avx2")]
-            unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
-                f()
-            }
-            if std::is_x86_feature_detected!("avx2") {
-                // SAFETY: the CPU supports AVX2 (checked just above).
-                return unsafe { avx2(#[inline(always)] || $generic($($arg),*)) };
-            }
-        }
-        $generic($($arg),*)
+        with_avx2(#[inline(always)] || $generic($($arg),*))
     }};
 }
 

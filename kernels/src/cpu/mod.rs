@@ -18,7 +18,7 @@ pub use attention::{
 };
 pub use decode::{
     attend_biased, attend_biased_multi, attend_biased_probs, attention_rows, dot, dot_rows,
-    softmax_in_place,
+    softmax_in_place, with_avx2,
 };
 pub use dequant::{dequantize, BlockType};
 pub use dots64::{dots_at, dots_norms_at, ColumnBlocks};
