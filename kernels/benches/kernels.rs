@@ -290,5 +290,75 @@ fn similarity(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, decode, capture_ops, similarity);
+/// A decode step's products and attention through 30 SmolLM2-shaped layers
+/// (Q4_1 weights, 66 MB; caches at 2,111 positions, 97 MB: together more
+/// than the L3 holds, so both come from memory as in capture). Norms, RoPE
+/// and the output head are left out.
+fn decode_step(c: &mut Criterion) {
+    let (dm, ffn, nh, nkv, d, cap, pos) = (576, 1536, 9, 3, 64, 2112, 2111);
+    let q4 = |rows, cols| quant_matrix(BlockType::Q4_1, rows, cols);
+    struct Layer {
+        w: [cpu::QuantMatrix; 7],
+        kc: Vec<f32>,
+        vc: Vec<f32>,
+    }
+    let layers: Vec<Layer> = (0..30)
+        .map(|l| {
+            let (k, v) = (data(nkv * cap * d, 40 + l), data(nkv * cap * d, 80 + l));
+            let mut kc = vec![0f32; nkv * cpu::key_cache_len(cap, d)];
+            let mut vc = vec![0f32; nkv * cap * d];
+            cpu::store_kv(&k, &v, (nkv, cap, d), 0, &mut kc, &mut vc);
+            Layer {
+                w: [
+                    q4(nh * d, dm),
+                    q4(nkv * d, dm),
+                    q4(nkv * d, dm),
+                    q4(dm, nh * d),
+                    q4(ffn, dm),
+                    q4(ffn, dm),
+                    q4(dm, ffn),
+                ],
+                kc,
+                vc,
+            }
+        })
+        .collect();
+    let x = data(dm, 22);
+    let (mut q, mut k, mut v) = (vec![0f32; nh * d], vec![0f32; nkv * d], vec![0f32; nkv * d]);
+    let (mut o, mut a) = (vec![0f32; nh * d], vec![0f32; dm]);
+    let (mut gate, mut up, mut down) = (vec![0f32; ffn], vec![0f32; ffn], vec![0f32; dm]);
+    let mut g = c.benchmark_group("capture");
+    g.sample_size(20);
+    g.bench_function("decode_step/30 layers at 2111", |b| {
+        b.iter(|| {
+            // On a pool worker, as capture runs its layers.
+            rayon::scope(|_| {
+                for ly in &layers {
+                    let w = |i: usize| cpu::WeightRef::Quant(&ly.w[i]);
+                    let qkv: &mut [&mut [f32]] = &mut [&mut q, &mut k, &mut v];
+                    cpu::linear_many(black_box(&x), 1, dm, &[w(0), w(1), w(2)], qkv);
+                    cpu::attention_heads(
+                        &q,
+                        &ly.kc,
+                        &ly.vc,
+                        (nh, nkv, cap, d),
+                        pos,
+                        None,
+                        0.125,
+                        &mut o,
+                        None,
+                        None,
+                    );
+                    cpu::linear_many(&o, 1, nh * d, &[w(3)], &mut [&mut a]);
+                    let gu: &mut [&mut [f32]] = &mut [&mut gate, &mut up];
+                    cpu::linear_many(&x, 1, dm, &[w(4), w(5)], gu);
+                    cpu::linear_many(&gate, 1, ffn, &[w(6)], &mut [&mut down]);
+                }
+            })
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, decode, capture_ops, decode_step, similarity);
 criterion_main!(benches);

@@ -365,6 +365,27 @@ impl Backend {
         Ok((keys, self.zeros(n_kv_heads * cap * d)?))
     }
 
+    /// A hint, for decode: the single-row quantised products that run next
+    /// ask the memory for what a decode step at `pos` will read of the
+    /// layer cache `kc`, `vc` (see [`cpu::ahead`]), so that its attention
+    /// finds them in cache. `None` stops reading ahead. Changes no result;
+    /// nothing to do on CUDA.
+    pub fn read_ahead(
+        &self,
+        cache: Option<(&Buf, &Buf)>,
+        (n_kv_heads, cap, d): (usize, usize, usize),
+        pos: usize,
+        window: Option<usize>,
+    ) {
+        match (self, cache) {
+            (Backend::Cpu, Some((Buf::Host(kc), Buf::Host(vc)))) => {
+                let reads = cpu::decode_reads(kc, vc, (n_kv_heads, cap, d), pos, window);
+                cpu::ahead::DECODE.set(&reads);
+            }
+            _ => cpu::ahead::DECODE.clear(),
+        }
+    }
+
     /// Writes `k`, `v` (n_kv_heads, c, d), head-major, at positions pos0 ..
     /// pos0 + c of a layer's KV cache `kc`, `vc` from
     /// [`Backend::kv_cache`] with the same (n_kv_heads, cap, d): on the CPU

@@ -171,6 +171,33 @@ fn value_parts(vc: &[f32], g: usize, cap: usize, d: usize) -> [VPart<'_>; PARTS]
     })
 }
 
+/// The parts of a layer's CPU KV cache (layout of [`store_kv`]) that a
+/// decode step at position `pos` (keys `key_start .. pos + 1`) reads: per
+/// KV head its key panels and its value parts, in the order attention reads
+/// them. For [`ahead::set`](super::ahead::set).
+pub fn decode_reads<'a>(
+    kc: &'a [f32],
+    vc: &'a [f32],
+    (n_kv_heads, cap, d): (usize, usize, usize),
+    pos: usize,
+    window: Option<usize>,
+) -> Vec<&'a [f32]> {
+    let n = (pos + 1).min(cap);
+    let kl = key_cache_len(cap, d);
+    let k0 = key_start(pos, window) & !7;
+    let mut out = Vec::with_capacity(n_kv_heads * (1 + PARTS));
+    if kc.len() < n_kv_heads * kl || vc.len() < n_kv_heads * cap * d || d == 0 {
+        return out;
+    }
+    for g in 0..n_kv_heads {
+        out.push(&kc[g * kl + k0 * d..g * kl + n.div_ceil(8) * 8 * d]);
+        for part in value_parts(vc, g, cap, d) {
+            out.push(&part.data[k0 * part.stride..n * part.stride]);
+        }
+    }
+    out
+}
+
 /// Writes positions pos0 .. pos0 + c of every KV head into a layer's CPU
 /// KV cache, in the layout attention reads:
 /// - `k`, `v`: (n_kv_heads, c, d), head-major rows;
@@ -1253,6 +1280,76 @@ mod tests {
                     "d={d} c={c} head {h}: probs"
                 );
             }
+        }
+    }
+
+    /// `decode_reads` names every part of the cache a decode step reads:
+    /// with everything else NaN, the step gives the same bits.
+    #[test]
+    fn decode_reads_cover_what_a_decode_step_reads() {
+        let (nh, nkv, cap) = (6, 2, 300);
+        for (d, pos, window) in [
+            (64usize, 299usize, None),
+            (12, 200, Some(17usize)),
+            (12, 203, Some(18)),
+            (5, 0, None),
+            (72, 130, Some(40)),
+        ] {
+            let n = pos + 1;
+            let q = data(nh * d, 0.12);
+            let (k, v) = (data(nkv * cap * d, 0.22), data(nkv * cap * d, 0.32));
+            let (mut kc, mut vc) = (
+                vec![0f32; nkv * key_cache_len(cap, d)],
+                vec![0f32; nkv * cap * d],
+            );
+            store_kv(&k, &v, (nkv, cap, d), 0, &mut kc, &mut vc);
+            let step = |kc: &[f32], vc: &[f32]| {
+                let (mut o, mut pr) = (vec![0f32; nh * d], vec![0f32; nh * n]);
+                let shape = (nh, nkv, cap, d);
+                attention_heads(
+                    &q,
+                    kc,
+                    vc,
+                    shape,
+                    pos,
+                    window,
+                    0.3,
+                    &mut o,
+                    None,
+                    Some(&mut pr),
+                );
+                (o, pr)
+            };
+            let want = step(&kc, &vc);
+            let (mut kn, mut vn) = (vec![f32::NAN; kc.len()], vec![f32::NAN; vc.len()]);
+            let reads = decode_reads(&kc, &vc, (nkv, cap, d), pos, window);
+            assert_eq!(reads.len(), nkv * (1 + PARTS));
+            for r in reads {
+                let at =
+                    |base: &[f32]| (r.as_ptr() as usize).wrapping_sub(base.as_ptr() as usize) / 4;
+                let (src, dst, i) = if at(&kc) < kc.len() {
+                    (&kc, &mut kn, at(&kc))
+                } else {
+                    (&vc, &mut vn, at(&vc))
+                };
+                dst[i..i + r.len()].copy_from_slice(&src[i..i + r.len()]);
+            }
+            let got = step(&kn, &vn);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got.0), bits(&want.0), "d={d} pos={pos} {window:?}: o");
+            assert_eq!(
+                bits(&got.1),
+                bits(&want.1),
+                "d={d} pos={pos} {window:?}: probs"
+            );
+            // and the reads are no more than the step's keys and values,
+            // rounded out to panels of eight keys
+            let keys = n - key_start(pos, window);
+            let read: usize = decode_reads(&kc, &vc, (nkv, cap, d), pos, window)
+                .iter()
+                .map(|r| r.len())
+                .sum();
+            assert!(read >= 2 * nkv * keys * d && read <= 2 * nkv * (keys + 14) * d);
         }
     }
 

@@ -1,5 +1,6 @@
 //! CPU reference kernels (f32 compute, rayon over fixed-size blocks).
 
+pub mod ahead;
 pub mod attention;
 pub mod decode;
 pub mod dequant;
@@ -13,7 +14,7 @@ pub(crate) mod simd;
 pub mod vector;
 
 pub use attention::{
-    attention_heads, causal_attention_head, key_cache_len, softmax_row, store_kv,
+    attention_heads, causal_attention_head, decode_reads, key_cache_len, softmax_row, store_kv,
     windowed_attention_head, AttentionStats,
 };
 pub use decode::{

@@ -241,7 +241,9 @@ pub fn linear_many(x: &[f32], m: usize, k: usize, ws: &[WeightRef<'_>], outs: &m
                 let part = &mut part[..nr * m];
                 let rows = &q.data[r0 * rb..(r0 + nr) * rb];
                 let sums = if needs_sums(q.ty) { &sums[..] } else { &[] };
-                fused_rows(q.ty, rows, rb, x, sums, m, k, part);
+                let nb = k / q.ty.block_elems();
+                let read = super::ahead::DECODE.claim(nr * nb * super::ahead::BYTES_PER_BLOCK);
+                fused_rows(q.ty, rows, rb, x, sums, m, k, part, read);
                 for (r, p) in part.chunks_exact(m).enumerate() {
                     for (row, v) in p.iter().enumerate() {
                         // SAFETY: this task alone writes columns r0 .. r0 + nr
@@ -468,7 +470,9 @@ fn group_sums_impl<S: Simd>(x: &[f32], xs: &mut [f32]) {
 
 simd_fn! {
     /// `out[r·m + i]` = row r of `rows` (each `rb` bytes of `ty`) · row i of
-    /// `x` (m rows of k); `xs` the group sums of x's rows (when `ty` needs them).
+    /// `x` (m rows of k); `xs` the group sums of x's rows (when `ty` needs
+    /// them); `read` the bytes of [`ahead::DECODE`](super::ahead::DECODE)
+    /// this task claimed, asked for a share per row.
     fn fused_rows(
         ty: BlockType,
         rows: &[u8],
@@ -478,6 +482,7 @@ simd_fn! {
         m: usize,
         k: usize,
         out: &mut [f32],
+        read: (usize, usize),
     ) = fused_rows_impl;
 }
 
@@ -492,8 +497,11 @@ fn fused_rows_impl<S: Simd>(
     m: usize,
     k: usize,
     out: &mut [f32],
+    read: (usize, usize),
 ) {
     let nr = rows.len() / rb;
+    // Each row's share of the bytes claimed to read ahead, in whole lines.
+    let per_row = (read.1 - read.0).div_ceil(nr.max(1)).next_multiple_of(64);
     assert!(rows.len() == nr * rb && out.len() == nr * m && x.len() == m * k);
     assert!(!needs_sums(ty) || xs.len() * 4 == x.len());
     let nb = k / ty.block_elems();
@@ -506,6 +514,8 @@ fn fused_rows_impl<S: Simd>(
                 for line in (0..rb).step_by(64) {
                     S::prefetch(ahead.wrapping_add(line));
                 }
+                let from = read.0 + r * per_row;
+                super::ahead::DECODE.fetch(from, (from + per_row).min(read.1));
                 for i in 0..m {
                     // SAFETY: row r has nb blocks (rb bytes); x row i has k
                     // = nb · block_elems elements and its sums k / 4.
@@ -917,9 +927,14 @@ mod tests {
                 1,
                 k,
                 &mut port,
+                (0, 0),
             );
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&port), bits(&one), "{ty:?}: portable vs best lanes");
+            // Reading ahead (here x itself) asks for memory, changes nothing.
+            super::super::ahead::DECODE.set(&[&x]);
+            assert_eq!(bits(&run(1, 2)), bits(&one), "{ty:?}: reading ahead");
+            super::super::ahead::DECODE.clear();
         }
     }
 
