@@ -375,9 +375,10 @@ pub fn attention_heads(
 /// [`attention_heads`] for one query per head (decode). Two parallel
 /// phases, so that both threads stream keys and values even with fewer KV
 /// heads than 2 per thread: scores per (KV head, run of key panels), then
-/// per (KV head, value part) the softmax of its query heads' rows and their
-/// weighted values over the part's dimensions. Every value is computed as
-/// in [`attend`] (the same bits).
+/// per (KV head, value part) the weighted values over the part's dimensions
+/// of its query heads' probability rows (each KV head's softmax made once,
+/// by the first of its tasks). Every value is computed as in [`attend`]
+/// (the same bits).
 #[allow(clippy::too_many_arguments)]
 fn one_query_heads(
     q: &[f32],
@@ -419,29 +420,37 @@ fn one_query_heads(
             s
         })
         .collect();
-    // The rows, whole: (n_heads, ws), column i for key ks + i.
-    let mut rows = vec![0f32; n_heads * ws];
-    for (t, part) in scored.iter().enumerate() {
-        let (g, (j0, j1)) = (t / PARTS, runs[t % PARTS]);
-        let pw = (j1 - j0).div_ceil(8) * 8;
-        for r in 0..group {
-            let dst = &mut rows[(g * group + r) * ws..(g * group + r + 1) * ws];
-            dst[j0 - ks..j1 - ks].copy_from_slice(&part[r * pw..r * pw + (j1 - j0)]);
-        }
-    }
-    // Phase 2: per (KV head, value part) the softmax of the group's rows
-    // over keys klo .. n (the same in every part) and their weighted values
-    // over the part's dimensions.
+    // Phase 2: per (KV head, value part) the weighted values over the
+    // part's dimensions of the group's probability rows, which the first of
+    // the head's tasks to need them makes (the others wait): each row whole,
+    // (group, ws), column i for key ks + i, its softmax over keys klo .. n.
     let lo = klo - ks;
     let dims = value_dims(d);
-    let done: Vec<(Vec<f32>, Vec<f32>)> = (0..n_kv_heads * PARTS)
-        .into_par_iter()
-        .map(|t| {
-            let (g, i) = (t / PARTS, t % PARTS);
-            let mut p = rows[g * group * ws..(g + 1) * group * ws].to_vec();
+    let probs_of: Vec<std::sync::OnceLock<Vec<f32>>> = (0..n_kv_heads)
+        .map(|_| std::sync::OnceLock::new())
+        .collect();
+    let softmaxed = |g: usize| -> &[f32] {
+        probs_of[g].get_or_init(|| {
+            let mut p = vec![0f32; group * ws];
+            for (i, &(j0, j1)) in runs.iter().enumerate() {
+                let part = &scored[g * PARTS + i];
+                let pw = (j1 - j0).div_ceil(8) * 8;
+                for r in 0..group {
+                    p[r * ws + j0 - ks..r * ws + j1 - ks]
+                        .copy_from_slice(&part[r * pw..r * pw + (j1 - j0)]);
+                }
+            }
             for row in p.chunks_exact_mut(ws) {
                 softmax_row(&mut row[lo..lo + w], scale);
             }
+            p
+        })
+    };
+    let done: Vec<Vec<f32>> = (0..n_kv_heads * PARTS)
+        .into_par_iter()
+        .map(|t| {
+            let (g, i) = (t / PARTS, t % PARTS);
+            let p = softmaxed(g);
             let part = value_parts(vc, g, cap, d)[i];
             let (t0, t1) = part.dims;
             let mut o = vec![0f32; group * (t1 - t0)];
@@ -456,20 +465,20 @@ fn one_query_heads(
                 &mut o,
                 t1 - t0,
             );
-            (p, o)
+            o
         })
         .collect();
-    for (t, (_, o)) in done.iter().enumerate() {
+    for (t, o) in done.iter().enumerate() {
         let (g, (t0, t1)) = (t / PARTS, dims[t % PARTS]);
         for r in 0..group {
             let h = g * group + r;
             out[h * d + t0..h * d + t1].copy_from_slice(&o[r * (t1 - t0)..(r + 1) * (t1 - t0)]);
         }
     }
-    // Probabilities and column sums from each KV head's first part.
-    let firsts = || done.iter().step_by(PARTS).enumerate();
+    // Probabilities and column sums from each KV head's rows.
+    let heads = || (0..n_kv_heads).map(|g| (g, softmaxed(g)));
     if let Some(pr) = probs {
-        for (g, (p, _)) in firsts() {
+        for (g, p) in heads() {
             for r in 0..group {
                 let h = g * group + r;
                 let dst = &mut pr[h * n..(h + 1) * n];
@@ -482,7 +491,7 @@ fn one_query_heads(
         // A block of one row: its part is 0 + p, then added to the sum.
         let n_tracked = cs.len() / n_heads;
         let tracked = n_tracked.min(n);
-        for (g, (p, _)) in firsts() {
+        for (g, p) in heads() {
             for r in 0..group {
                 let h = g * group + r;
                 let csh = &mut cs[h * n_tracked..h * n_tracked + tracked];
