@@ -20,9 +20,9 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
-/// At most this many ranges (a layer's key panels and value parts per KV
-/// head; ranges past it are not read ahead).
-pub const SLOTS: usize = 16;
+/// At most this many ranges: a layer's key panels and two value parts per
+/// KV head, for up to 21 KV heads (ranges past it are not read ahead).
+pub const SLOTS: usize = 64;
 
 /// Bytes claimed per quantised weight block a fused product multiplies:
 /// SmolLM2's products between two attentions multiply about 110,000 blocks,
