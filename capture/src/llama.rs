@@ -664,7 +664,7 @@ impl Llama {
                 pass.layer(l, cache, cs, opts.attention.as_deref_mut(), taps)?;
             }
         }
-        be.read_ahead(None, (nkv, cache.capacity, hd), 0, None);
+        be.stop_read_ahead();
         if layers_held == cfg.n_layers {
             let host = be.download(&pass.tap_buf)?;
             for (l, t) in host.chunks_exact(tap_len).enumerate() {
@@ -844,9 +844,8 @@ impl Pass<'_> {
             // Decode: the products up to the next layer's attention ask for
             // the keys and values it will read (a hint; no result changes).
             if c == 1 && l + 1 < cfg.n_layers {
-                let next = (&cache.k[l + 1], &cache.v[l + 1]);
                 let window = cfg.layer_attention[l + 1].window;
-                be.read_ahead(Some(next), shape, pos0, window);
+                be.read_ahead(&cache.k[l + 1], &cache.v[l + 1], shape, pos0, window);
             }
             o
         };

@@ -292,8 +292,9 @@ fn similarity(c: &mut Criterion) {
 
 /// A decode step's products and attention through 30 SmolLM2-shaped layers
 /// (Q4_1 weights, 66 MB; caches at 2,111 positions, 97 MB: together more
-/// than the L3 holds, so both come from memory as in capture). Norms, RoPE
-/// and the output head are left out.
+/// than the L3 holds, so both come from memory as in capture), the products
+/// after each attention reading the next layer's cache ahead as capture's
+/// do (`cpu::ahead`). Norms, RoPE and the output head are left out.
 fn decode_step(c: &mut Criterion) {
     let (dm, ffn, nh, nkv, d, cap, pos) = (576, 1536, 9, 3, 64, 2112, 2111);
     let q4 = |rows, cols| quant_matrix(BlockType::Q4_1, rows, cols);
@@ -333,7 +334,7 @@ fn decode_step(c: &mut Criterion) {
         b.iter(|| {
             // On a pool worker, as capture runs its layers.
             rayon::scope(|_| {
-                for ly in &layers {
+                for (l, ly) in layers.iter().enumerate() {
                     let w = |i: usize| cpu::WeightRef::Quant(&ly.w[i]);
                     let qkv: &mut [&mut [f32]] = &mut [&mut q, &mut k, &mut v];
                     cpu::linear_many(black_box(&x), 1, dm, &[w(0), w(1), w(2)], qkv);
@@ -349,11 +350,17 @@ fn decode_step(c: &mut Criterion) {
                         None,
                         None,
                     );
+                    if let Some(next) = layers.get(l + 1) {
+                        let shape = (nkv, cap, d);
+                        let reads = cpu::decode_reads(&next.kc, &next.vc, shape, pos, None);
+                        cpu::ahead::DECODE.set(&reads);
+                    }
                     cpu::linear_many(&o, 1, nh * d, &[w(3)], &mut [&mut a]);
                     let gu: &mut [&mut [f32]] = &mut [&mut gate, &mut up];
                     cpu::linear_many(&x, 1, dm, &[w(4), w(5)], gu);
                     cpu::linear_many(&gate, 1, ffn, &[w(6)], &mut [&mut down]);
                 }
+                cpu::ahead::DECODE.clear();
             })
         })
     });

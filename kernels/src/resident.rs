@@ -368,21 +368,26 @@ impl Backend {
     /// A hint, for decode: the single-row quantised products that run next
     /// ask the memory for what a decode step at `pos` will read of the
     /// layer cache `kc`, `vc` (see [`cpu::ahead`]), so that its attention
-    /// finds them in cache. `None` stops reading ahead. Changes no result;
-    /// nothing to do on CUDA.
+    /// finds them in cache, until [`Backend::stop_read_ahead`]. Changes no
+    /// result; nothing to do on CUDA.
     pub fn read_ahead(
         &self,
-        cache: Option<(&Buf, &Buf)>,
+        kc: &Buf,
+        vc: &Buf,
         (n_kv_heads, cap, d): (usize, usize, usize),
         pos: usize,
         window: Option<usize>,
     ) {
-        match (self, cache) {
-            (Backend::Cpu, Some((Buf::Host(kc), Buf::Host(vc)))) => {
-                let reads = cpu::decode_reads(kc, vc, (n_kv_heads, cap, d), pos, window);
-                cpu::ahead::DECODE.set(&reads);
-            }
-            _ => cpu::ahead::DECODE.clear(),
+        if let (Backend::Cpu, Buf::Host(kc), Buf::Host(vc)) = (self, kc, vc) {
+            let reads = cpu::decode_reads(kc, vc, (n_kv_heads, cap, d), pos, window);
+            cpu::ahead::DECODE.set(&reads);
+        }
+    }
+
+    /// Nothing more to read ahead ([`Backend::read_ahead`]).
+    pub fn stop_read_ahead(&self) {
+        if let Backend::Cpu = self {
+            cpu::ahead::DECODE.clear();
         }
     }
 

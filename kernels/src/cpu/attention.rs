@@ -174,7 +174,7 @@ fn value_parts(vc: &[f32], g: usize, cap: usize, d: usize) -> [VPart<'_>; PARTS]
 /// The parts of a layer's CPU KV cache (layout of [`store_kv`]) that a
 /// decode step at position `pos` (keys `key_start .. pos + 1`) reads: per
 /// KV head its key panels and its value parts, in the order attention reads
-/// them. For [`ahead::set`](super::ahead::set).
+/// them. For [`ReadAhead::set`](super::ahead::ReadAhead::set).
 pub fn decode_reads<'a>(
     kc: &'a [f32],
     vc: &'a [f32],
