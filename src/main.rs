@@ -12,7 +12,7 @@ fn main() {
         std::process::exit(1);
     }
     if let Err(e) = cli::run() {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", cli::error_text(&e));
         std::process::exit(1);
     }
 }

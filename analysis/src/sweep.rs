@@ -21,7 +21,7 @@ use kvreplay_traces::{Reads, Trace};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SweepError {
-    #[error("{0}")]
+    #[error(transparent)]
     Replay(#[from] ReplayError),
     #[error("{path}: {err}")]
     Io { path: PathBuf, err: std::io::Error },

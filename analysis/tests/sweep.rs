@@ -134,10 +134,15 @@ fn bad_plans_fail_before_any_work() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("unknown policy `snap`"), "{e}");
-    let e = Plan::new(std::slice::from_ref(&a), &["h2o:window=3".into()], &[4])
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("unknown parameter `window`"), "{e}");
+    let e = Plan::new(std::slice::from_ref(&a), &["h2o:window=3".into()], &[4]).unwrap_err();
+    // the message once, as the error and its causes print it together
+    // (regression: the CLI printed "...`window` (valid: ...): policy `h2o`: unknown ...")
+    let chain: Vec<String> =
+        std::iter::successors(Some(&e as &dyn std::error::Error), |e| e.source())
+            .map(|e| e.to_string())
+            .collect();
+    let e = chain.join(": ");
+    assert_eq!(e.matches("unknown parameter `window`").count(), 1, "{e}");
     let e = Plan::new(std::slice::from_ref(&a), &["h2o".into()], &[0])
         .unwrap_err()
         .to_string();

@@ -107,6 +107,24 @@ fn max_threads() -> usize {
         .max(256)
 }
 
+/// An error and its causes on one line, as `{:#}` prints them, without a
+/// cause whose text the line already ends with (a library error such as
+/// "compute: {0}" prints its cause itself and also returns it as its source).
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let t = cause.to_string();
+        if !line.is_empty() && line.ends_with(&t) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&t);
+    }
+    line
+}
+
 pub fn run() -> Result<()> {
     let cli = Cli::parse();
     if let Some(asked) = cli.threads {
@@ -215,5 +233,49 @@ pub fn run() -> Result<()> {
             device,
             prefill_chunk,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_text;
+    use anyhow::Context;
+
+    /// A kernel error, and a library error that prints it and returns it
+    /// as its source (thiserror's `#[error("compute: {0}")] X(#[from] ..)`).
+    #[derive(Debug)]
+    struct Inner;
+    #[derive(Debug)]
+    struct Outer(Inner);
+    impl std::fmt::Display for Inner {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("positions 0..9 do not fit")
+        }
+    }
+    impl std::fmt::Display for Outer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "compute: {}", self.0)
+        }
+    }
+    impl std::error::Error for Inner {}
+    impl std::error::Error for Outer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn error_text_prints_each_cause_once() {
+        let e = Err::<(), _>(Outer(Inner))
+            .context("capturing into t.kvtrace")
+            .unwrap_err();
+        assert_eq!(format!("{e:#}").matches("do not fit").count(), 2);
+        assert_eq!(
+            error_text(&e),
+            "capturing into t.kvtrace: compute: positions 0..9 do not fit"
+        );
+        // causes that add something are all kept
+        let e = Err::<(), _>(Inner).context("a").context("b").unwrap_err();
+        assert_eq!(error_text(&e), "b: a: positions 0..9 do not fit");
     }
 }
