@@ -93,6 +93,69 @@ pub struct CaptureSummary {
     pub continuation: String,
 }
 
+/// One layer's taps of a decode step, owned, for the writer thread.
+struct OwnedTaps {
+    layer: usize,
+    pos0: usize,
+    /// q, k, v, o as in [`LayerTaps`], one after another, and their lengths.
+    data: Vec<f32>,
+    lens: [usize; 4],
+    probs: Option<Vec<f32>>,
+}
+
+impl From<LayerTaps<'_>> for OwnedTaps {
+    fn from(t: LayerTaps<'_>) -> OwnedTaps {
+        let parts = [t.q, t.k, t.v, t.o];
+        OwnedTaps {
+            layer: t.layer,
+            pos0: t.pos0,
+            data: parts.concat(),
+            lens: parts.map(<[f32]>::len),
+            probs: t.probs.map(<[f32]>::to_vec),
+        }
+    }
+}
+
+impl OwnedTaps {
+    fn view(&self) -> LayerTaps<'_> {
+        let [nq, nk, nv, _] = self.lens;
+        let (q, rest) = self.data.split_at(nq);
+        let (k, rest) = rest.split_at(nk);
+        let (v, o) = rest.split_at(nv);
+        LayerTaps {
+            layer: self.layer,
+            pos0: self.pos0,
+            q,
+            k,
+            v,
+            o,
+            probs: self.probs.as_deref(),
+        }
+    }
+}
+
+/// Write one layer's taps into the trace.
+fn write_taps(writer: &mut TraceWriter, taps: &LayerTaps<'_>, nh: usize, hd: usize) {
+    let lw = writer.layer(taps.layer);
+    let c = taps.q.len() / (nh * hd);
+    for (kind, data) in [
+        (TensorKind::Q, taps.q),
+        (TensorKind::K, taps.k),
+        (TensorKind::V, taps.v),
+        (TensorKind::O, taps.o),
+    ] {
+        for (head, rows) in data.chunks_exact(c * hd).enumerate() {
+            lw.write_rows(kind, head, taps.pos0, rows);
+        }
+    }
+    if let Some(probs) = taps.probs {
+        let n = taps.pos0 + c;
+        for (i, row) in probs.chunks_exact(n).enumerate() {
+            lw.write_probs_row(i / c, taps.pos0 + i % c, row);
+        }
+    }
+}
+
 /// Capture a trace of `model` on `opts.prompt`. Nothing is left at `opts.out`
 /// unless the capture completes.
 pub fn capture(
@@ -167,71 +230,93 @@ pub fn capture(
     let mut writer = TraceWriter::create(&opts.out, layout, opts.force)?;
     let mut cache = KvCache::new(cfg, t);
     let (nh, hd) = (cfg.n_heads, cfg.head_dim);
-    let mut sink = |taps: LayerTaps<'_>| {
-        let lw = writer.layer(taps.layer);
-        let c = taps.q.len() / (nh * hd);
-        for (kind, data) in [
-            (TensorKind::Q, taps.q),
-            (TensorKind::K, taps.k),
-            (TensorKind::V, taps.v),
-            (TensorKind::O, taps.o),
-        ] {
-            for (head, rows) in data.chunks_exact(c * hd).enumerate() {
-                lw.write_rows(kind, head, taps.pos0, rows);
-            }
-        }
-        if let Some(probs) = taps.probs {
-            let n = taps.pos0 + c;
-            for (i, row) in probs.chunks_exact(n).enumerate() {
-                lw.write_probs_row(i / c, taps.pos0 + i % c, row);
-            }
-        }
-    };
+    let n_layers = cfg.n_layers;
 
-    // Prefill, `prefill_chunk` positions at a time; every query is a prompt query,
-    // so the column sums accumulate here only.
+    // Prefill, `prefill_chunk` positions at a time; every query is a prompt
+    // query, so the column sums accumulate here only. The taps are written
+    // as they come: the cores are busy with the next chunk, so writing
+    // beside it gains nothing (measured: BENCHMARKS.md, fifteenth session).
     let start = std::time::Instant::now();
     let mut colsum = model.llama.colsum_buffers(p)?; // per layer (n_heads, P), on the device
     let mut logits = Vec::new();
     let mut pos = 0;
-    while pos < p {
-        let end = (pos + opts.prefill_chunk).min(p);
-        let fo = ForwardOptions {
-            colsum: Some(&mut colsum),
-            probs: opts.attn_probs,
-            attention: None,
-        };
-        logits = model
-            .llama
-            .forward(&ids[pos..end], pos, &mut cache, fo, &mut sink)?;
-        pos = end;
-        progress(Progress {
-            phase: Phase::Prefill,
-            done: pos,
-            total: p,
-        });
+    {
+        let mut sink = |taps: LayerTaps<'_>| write_taps(&mut writer, &taps, nh, hd);
+        while pos < p {
+            let end = (pos + opts.prefill_chunk).min(p);
+            let fo = ForwardOptions {
+                colsum: Some(&mut colsum),
+                probs: opts.attn_probs,
+                attention: None,
+            };
+            logits = model
+                .llama
+                .forward(&ids[pos..end], pos, &mut cache, fo, &mut sink)?;
+            pos = end;
+            progress(Progress {
+                phase: Phase::Prefill,
+                done: pos,
+                total: p,
+            });
+        }
     }
     let prefill_secs = start.elapsed().as_secs_f64();
 
     // Greedy decode: each generated token is fed back so its q/k/v/o exist.
+    // A token's writes (about 0.5 ms of a SmolLM2 token at 2,048 positions,
+    // while the pool waited) run on a thread of their own beside the next
+    // token, whose workers have idle time to spare: the taps are copied and
+    // handed over when the last layer's arrive. The hand-over is a
+    // rendezvous, so at most two tokens' taps are held, and the decode time
+    // includes the last token's writes.
     let start = std::time::Instant::now();
-    for i in 0..opts.n_decode {
-        let next = Llama::greedy(&logits);
-        ids.push(next);
-        let fo = ForwardOptions {
-            colsum: None,
-            probs: opts.attn_probs,
-            attention: None,
-        };
-        logits = model
-            .llama
-            .forward(&[next], p + i, &mut cache, fo, &mut sink)?;
-        progress(Progress {
-            phase: Phase::Decode,
-            done: i + 1,
-            total: opts.n_decode,
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<OwnedTaps>>(0);
+        let w = &mut writer;
+        let written = scope.spawn(move || {
+            for batch in rx {
+                for taps in &batch {
+                    write_taps(w, &taps.view(), nh, hd);
+                }
+            }
         });
-    }
+        let mut run = || -> Result<(), CaptureError> {
+            let mut batch = Vec::with_capacity(n_layers);
+            // A send fails only when the writer has panicked; joining it
+            // below reports that.
+            let mut sink = |taps: LayerTaps<'_>| {
+                let last = taps.layer + 1 == n_layers;
+                batch.push(OwnedTaps::from(taps));
+                if last {
+                    let _ = tx.send(std::mem::replace(&mut batch, Vec::with_capacity(n_layers)));
+                }
+            };
+            for i in 0..opts.n_decode {
+                let next = Llama::greedy(&logits);
+                ids.push(next);
+                let fo = ForwardOptions {
+                    colsum: None,
+                    probs: opts.attn_probs,
+                    attention: None,
+                };
+                logits = model
+                    .llama
+                    .forward(&[next], p + i, &mut cache, fo, &mut sink)?;
+                progress(Progress {
+                    phase: Phase::Decode,
+                    done: i + 1,
+                    total: opts.n_decode,
+                });
+            }
+            Ok(())
+        };
+        let done = run();
+        drop(tx);
+        if let Err(panic) = written.join() {
+            std::panic::resume_unwind(panic);
+        }
+        done
+    })?;
     let decode_secs = start.elapsed().as_secs_f64();
 
     for (l, cs) in colsum.iter().enumerate() {
