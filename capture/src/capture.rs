@@ -97,9 +97,10 @@ pub struct CaptureSummary {
 struct OwnedTaps {
     layer: usize,
     pos0: usize,
-    /// q, k, v, o as in [`LayerTaps`], one after another, and their lengths.
+    /// q, k, v, o as in [`LayerTaps`], one after another; o is what
+    /// follows the first three, whose lengths these are.
     data: Vec<f32>,
-    lens: [usize; 4],
+    lens: [usize; 3],
     probs: Option<Vec<f32>>,
 }
 
@@ -110,7 +111,7 @@ impl From<LayerTaps<'_>> for OwnedTaps {
             layer: t.layer,
             pos0: t.pos0,
             data: parts.concat(),
-            lens: parts.map(<[f32]>::len),
+            lens: [t.q.len(), t.k.len(), t.v.len()],
             probs: t.probs.map(<[f32]>::to_vec),
         }
     }
@@ -118,7 +119,7 @@ impl From<LayerTaps<'_>> for OwnedTaps {
 
 impl OwnedTaps {
     fn view(&self) -> LayerTaps<'_> {
-        let [nq, nk, nv, _] = self.lens;
+        let [nq, nk, nv] = self.lens;
         let (q, rest) = self.data.split_at(nq);
         let (k, rest) = rest.split_at(nk);
         let (v, o) = rest.split_at(nv);
