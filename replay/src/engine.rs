@@ -930,7 +930,13 @@ pub struct TraceReplay<'t> {
     /// Results of budget-independent policies, by spec, and of policies'
     /// budget classes, by spec and class ([`Self::replay_spec`]).
     fixed: std::sync::Mutex<std::collections::HashMap<String, ReplayResult>>,
+    /// Results of layer groups whose replay reads no budget
+    /// ([`Policy::group_budget_free`]), by spec and the group's layers.
+    group_results: std::sync::Mutex<GroupResults>,
 }
+
+/// [`TraceReplay`]'s kept group results: (spec, layers) → their results.
+type GroupResults = std::collections::HashMap<(String, Vec<usize>), Vec<LayerResult>>;
 
 impl<'t> TraceReplay<'t> {
     /// Replay on `backend`; checks that the trace has decode queries.
@@ -949,6 +955,7 @@ impl<'t> TraceReplay<'t> {
             held: Default::default(),
             cap: crate::memory::default_cap(),
             fixed: Default::default(),
+            group_results: Default::default(),
         })
     }
 
@@ -998,6 +1005,19 @@ impl<'t> TraceReplay<'t> {
     /// Replay `policy` on every layer (layer groups in parallel; results do
     /// not depend on the thread count).
     pub fn replay(&self, policy: &dyn Policy, budget: Budget) -> Result<ReplayResult, ReplayError> {
+        self.replay_keyed(policy, budget, None)
+    }
+
+    /// [`replay`](Self::replay); with the policy's `spec` where its groups'
+    /// replays read no budget ([`Policy::group_budget_free`]), each group's
+    /// results are kept and taken at any budget whose grouping holds the
+    /// same group.
+    fn replay_keyed(
+        &self,
+        policy: &dyn Policy,
+        budget: Budget,
+        spec: Option<&str>,
+    ) -> Result<ReplayResult, ReplayError> {
         let m = &self.trace.manifest;
         check_reads(self.trace, policy, budget)?;
         let b = budget.resolve(m.prompt_len())?;
@@ -1010,13 +1030,23 @@ impl<'t> TraceReplay<'t> {
         let results = groups
             .par_iter()
             .map(|group| {
-                let datas: Vec<Arc<LayerData>> = group.iter().map(|&l| self.layer(l)).collect();
-                let refs: Vec<&LayerData> = datas.iter().map(|d| d.as_ref()).collect();
-                Ok(group
-                    .iter()
-                    .copied()
-                    .zip(replay_group_refs(&refs, policy, cb)?)
-                    .collect::<Vec<_>>())
+                let key = spec.map(|s| (s.to_string(), group.clone()));
+                let lock = || self.group_results.lock().unwrap_or_else(|e| e.into_inner());
+                let kept = key.as_ref().and_then(|k| lock().get(k).cloned());
+                let results = match kept {
+                    Some(r) => r,
+                    None => {
+                        let datas: Vec<Arc<LayerData>> =
+                            group.iter().map(|&l| self.layer(l)).collect();
+                        let refs: Vec<&LayerData> = datas.iter().map(|d| d.as_ref()).collect();
+                        let r = replay_group_refs(&refs, policy, cb)?;
+                        if let Some(k) = key {
+                            lock().insert(k, r.clone());
+                        }
+                        r
+                    }
+                };
+                Ok(group.iter().copied().zip(results).collect::<Vec<_>>())
             })
             .collect::<Result<Vec<_>, ReplayError>>()?;
         let mut layers: Vec<(usize, LayerResult)> = results.into_iter().flatten().collect();
@@ -1056,7 +1086,7 @@ impl TraceReplay<'_> {
             let cb = crate::policy::cache_budget(policy, b, m.model.n_heads / m.model.n_kv_heads);
             match policy.budget_class(self.trace.n_layers(), cb, m.prompt_len()) {
                 Some(class) => format!("{spec}\u{0}class {class}"),
-                None => return self.replay(policy, budget),
+                None => return self.replay_keyed(policy, budget, groups_key(spec, policy)),
             }
         };
         check_reads(self.trace, policy, budget)?;
@@ -1068,10 +1098,16 @@ impl TraceReplay<'_> {
                 layers: r.layers.clone(),
             });
         }
-        let r = self.replay(policy, budget)?;
+        let r = self.replay_keyed(policy, budget, groups_key(spec, policy))?;
         lock().insert(key, r.clone());
         Ok(r)
     }
+}
+
+/// The key a policy's group results are kept under, where its groups'
+/// replays read no budget.
+fn groups_key<'s>(spec: &'s str, policy: &dyn Policy) -> Option<&'s str> {
+    policy.group_budget_free().then_some(spec)
 }
 
 /// Replay `policy` on every layer of `trace` on the CPU, from a cold start

@@ -508,6 +508,19 @@ pub trait Policy: Send + Sync {
         None
     }
 
+    /// Whether a layer group's replay reads no budget: `prefill_group` and
+    /// the decode steps never read `ctx.budget`, so the budget reaches a
+    /// group's results only through which groups [`layer_groups`](Self::layer_groups)
+    /// makes. A sweep then replays each group once per trace and spec and
+    /// reports it at every budget whose grouping holds it (MiniCache: the
+    /// budget picks the first merged layer, and a pair above it merges the
+    /// same way at any budget). Only say so when that holds (a registry
+    /// test replays such a policy's groups at several budgets and
+    /// compares). Default: no.
+    fn group_budget_free(&self) -> bool {
+        false
+    }
+
     /// Caches that share one KV head's budget: the group size G when the
     /// policy keeps one cache per query head and counts `--budget` per KV
     /// head (`budget_per=kv_head`, the default: B entries' memory per KV head

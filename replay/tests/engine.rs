@@ -341,3 +341,63 @@ fn budgets_of_one_class_give_the_same_result() {
     }
     assert_eq!(seen, ["minicache"]);
 }
+
+/// Every policy whose groups' replays read no budget
+/// (`Policy::group_budget_free`: MiniCache's pairs) gives a group the same
+/// results at every budget whose grouping holds it, and what
+/// `TraceReplay::replay_spec` reports at each budget, groups replayed once
+/// and taken where they recur, equals a fresh replay at that budget.
+#[test]
+fn groups_that_read_no_budget_give_the_same_result_at_every_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 6 layers, a 30-token prompt: MiniCache pairs layers from ⌊6·B/30⌋ on,
+    // so pair (3, 4) recurs at B = 5 (from layer 1) and B = 15 (from 3)
+    let trace = Trace::open(write_trace(tmp.path(), &layers(6, 30, 36))).unwrap();
+    let (n_layers, prompt) = (6, 30);
+    let mut seen = Vec::new();
+    for spec in kvreplay_replay::REGISTRY
+        .iter()
+        .flat_map(|i| [i.name.to_string(), format!("{}:start=0.5", i.name)])
+    {
+        let Ok(p) = PolicySpec::parse(&spec).and_then(|s| s.build()) else {
+            continue;
+        };
+        if !p.group_budget_free() {
+            continue;
+        }
+        seen.push(spec.clone());
+        let tr = kvreplay_replay::TraceReplay::new(&trace, &Default::default()).unwrap();
+        // each group's results, by its layers, from the first budget that made it
+        let mut firsts: Vec<(Vec<usize>, usize, String)> = Vec::new();
+        let mut recurred = 0;
+        for b in [2usize, 5, 7, 15, 16, 25, 40] {
+            let fresh = replay(&trace, p.as_ref(), Budget::Entries(b)).unwrap();
+            for g in p.layer_groups(n_layers, b, prompt) {
+                let r = format!(
+                    "{:?}",
+                    g.iter().map(|&l| &fresh.layers[l]).collect::<Vec<_>>()
+                );
+                match firsts.iter().find(|(f, _, _)| *f == g) {
+                    Some((_, b0, first)) => {
+                        assert_eq!(&r, first, "{spec}: group {g:?} at {b} against {b0}");
+                        recurred += (g.len() > 1) as usize;
+                    }
+                    None => firsts.push((g, b, r)),
+                }
+            }
+            let kept = tr
+                .replay_spec(&spec, p.as_ref(), Budget::Entries(b))
+                .unwrap();
+            assert_eq!(
+                (kept.budget, format!("{:?}", kept.layers)),
+                (b, format!("{:?}", fresh.layers)),
+                "{spec} via replay_spec at {b}"
+            );
+        }
+        // a group of several layers recurs across budgets with other groupings
+        if !spec.contains("start=") {
+            assert!(recurred > 0, "{spec}: no pair recurred: {firsts:?}");
+        }
+    }
+    assert_eq!(seen, ["minicache", "minicache:start=0.5"]);
+}

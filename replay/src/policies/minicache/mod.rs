@@ -98,6 +98,12 @@ impl Policy for MiniCache {
         Some(self.pair_start(n_layers, budget, prompt_len))
     }
 
+    /// A pair merges, and a layer alone keeps its cache, the same way at any
+    /// budget: the budget only decides where the pairs start.
+    fn group_budget_free(&self) -> bool {
+        true
+    }
+
     /// Layers below S alone, then pairs (S + 2j, S + 2j + 1), a leftover top layer alone.
     fn layer_groups(&self, n_layers: usize, budget: usize, prompt_len: usize) -> Vec<Vec<usize>> {
         let s = self.pair_start(n_layers, budget, prompt_len);
