@@ -10,6 +10,7 @@ use crate::cache::HeadCache;
 use crate::policy::{LayerData, Policy, PrefillCtx};
 use crate::session::Session;
 use crate::ReplayError;
+use kvreplay_kernels::cpu::ahead::prefetch_lines;
 use kvreplay_kernels::Backend;
 use std::ops::Range;
 
@@ -387,6 +388,7 @@ struct MetricBuf {
 /// multiply-add and no sum changes its order; the per-entry KL terms
 /// vectorise four to a register instead of two.
 #[allow(clippy::too_many_arguments)]
+#[allow(clippy::needless_range_loop)] // element i of every head's vectors
 fn heads_metrics<const M: usize>(
     o_c: [&[f32]; M],
     r: [&RefHead; M],
@@ -404,19 +406,25 @@ fn heads_metrics<const M: usize>(
         || {
             let n = single.len();
             let mut out = [[0f64; 4]; M];
-            for j in 0..M {
-                // four sums in one pass, each in element order from -0.0 (as
-                // `Iterator::sum` adds), so their additions overlap
-                let [mut diff, mut nf, mut nc, mut dotp] = [-0.0f64; 4];
-                for (a, &b) in o_c[j].iter().zip(&r[j].out) {
-                    let a = *a as f64;
-                    diff += (a - b) * (a - b);
-                    nf += b * b;
-                    nc += a * a;
-                    dotp += a * b;
+            // four sums per head in one pass, each in element order from -0.0
+            // (as `Iterator::sum` adds), the heads' sums interleaved so that
+            // all 4·M chains of additions overlap
+            let d = o_c[0].len();
+            debug_assert!((0..M).all(|j| o_c[j].len() == d && r[j].out.len() == d));
+            let mut sums = [[-0.0f64; 4]; M];
+            for i in 0..d {
+                for j in 0..M {
+                    let (a, b) = (o_c[j][i] as f64, r[j].out[i]);
+                    let [diff, nf, nc, dotp] = &mut sums[j];
+                    *diff += (a - b) * (a - b);
+                    *nf += b * b;
+                    *nc += a * a;
+                    *dotp += a * b;
                 }
-                out[j][0] = (diff / nf.max(1e-300)).sqrt();
-                out[j][1] = dotp / (nf.sqrt() * nc.sqrt()).max(1e-300);
+            }
+            for (o, [diff, nf, nc, dotp]) in out.iter_mut().zip(sums) {
+                o[0] = (diff / nf.max(1e-300)).sqrt();
+                o[1] = dotp / (nf.sqrt() * nc.sqrt()).max(1e-300);
             }
             // Full-attention weight on each entry's members (and its logarithm: the
             // reference's shifted logit for one member), and on everything represented.
@@ -430,61 +438,85 @@ fn heads_metrics<const M: usize>(
             term.resize(M * n, 0.0);
             let mut kept = [-0.0f64; M];
             // heads whose step and reference share their largest logit (`exact`)
+            // (the step's first largest: the entry of shifted logit +0)
             let same_max: [bool; M] = std::array::from_fn(|j| {
                 exact
                     && c_w.is_some()
-                    && c_x[j]
-                        .iter()
-                        .zip(single)
-                        .find(|(x, &m)| x.to_bits() == 0 && m != MULTI)
-                        .is_some_and(|(_, &m)| r[j].y[m as usize].to_bits() == 0)
+                    && first_zero(c_x[j], single)
+                        .is_some_and(|m| m != MULTI && r[j].is_top(m as usize))
             });
-            for (e, &m) in single.iter().enumerate() {
-                for j in 0..M {
-                    let (c, l) = match m {
-                        m if m != MULTI && same_max[j] => {
-                            #[cfg(test)]
-                            tests::FROM_STEP.with(|n| n.set(n.get() + 1));
-                            let cw = c_w.expect("same_max implies c_w");
-                            (cw[j][e], c_x[j][e] as f64)
-                        }
-                        MULTI => {
-                            let c: f64 = cache.members[e].iter().map(|&p| r[j].w[p as usize]).sum();
-                            (c, c.ln())
-                        }
-                        m => {
-                            let y = r[j].y[m as usize];
-                            let w = match c_w {
-                                Some(cw) if y.to_bits() == c_x[j][e].to_bits() => cw[j][e],
-                                _ => r[j].w[m as usize],
-                            };
-                            (w, y as f64)
-                        }
-                    };
-                    cell[j * n + e] = c;
-                    ln_cell[j * n + e] = l;
-                    kept[j] += c;
+            // Every head's largest shared and every entry one position: each
+            // cell is the step's own weight and logit, and `kept`, their sum
+            // in entry order, is the step's own c_z (the same additions in the
+            // same order; weights are ≥ +0, so a start at −0 or +0 gives the
+            // same sum). The terms then read them where they are.
+            let own = same_max.iter().all(|&s| s) && !single.contains(&MULTI);
+            if own {
+                #[cfg(test)]
+                tests::FROM_STEP.with(|c| c.set(c.get() + M * n));
+                #[cfg(test)]
+                tests::OWN_CELLS.with(|c| c.set(c.get() + 1));
+                kept = c_z;
+            } else {
+                for (e, &m) in single.iter().enumerate() {
+                    for j in 0..M {
+                        let (c, l) = match m {
+                            m if m != MULTI && same_max[j] => {
+                                #[cfg(test)]
+                                tests::FROM_STEP.with(|n| n.set(n.get() + 1));
+                                let cw = c_w.expect("same_max implies c_w");
+                                (cw[j][e], c_x[j][e] as f64)
+                            }
+                            MULTI => {
+                                let c: f64 =
+                                    cache.members[e].iter().map(|&p| r[j].w[p as usize]).sum();
+                                (c, c.ln())
+                            }
+                            m => {
+                                let y = r[j].y[m as usize];
+                                let w = match c_w {
+                                    Some(cw) if y.to_bits() == c_x[j][e].to_bits() => cw[j][e],
+                                    _ => r[j].w[m as usize],
+                                };
+                                (w, y as f64)
+                            }
+                        };
+                        cell[j * n + e] = c;
+                        ln_cell[j * n + e] = l;
+                        kept[j] += c;
+                    }
                 }
             }
             for j in 0..M {
                 out[j][2] = kept[j] / r[j].z;
                 let (ln_kept, ln_cz) = (kept[j].ln(), c_z[j].ln());
                 let rows = j * n..(j + 1) * n;
-                for (((t, we), lc), x) in term[rows.clone()]
-                    .iter_mut()
-                    .zip(&cell[rows.clone()])
-                    .zip(&ln_cell[rows])
-                    .zip(c_x[j])
-                {
-                    // an entry without full-attention weight adds nothing (+0 leaves
-                    // the sum, which starts at +0, unchanged)
-                    let ln_q = (*x as f64 - ln_cz).max(LN_MIN_POSITIVE);
-                    let v = (we / kept[j]) * (lc - ln_kept - ln_q);
-                    *t = if *we > 0.0 { v } else { 0.0 };
+                let (t, x) = (&mut term[rows.clone()], c_x[j]);
+                match own {
+                    // each cell the step's own weight and logit
+                    true => {
+                        let cw = c_w.expect("same_max implies c_w")[j];
+                        for ((t, we), x) in t.iter_mut().zip(cw).zip(x) {
+                            *t = kl_term(*we, *x as f64, *x, kept[j], ln_kept, ln_cz);
+                        }
+                    }
+                    false => {
+                        let cells = cell[rows.clone()].iter().zip(&ln_cell[rows]);
+                        for ((t, (we, lc)), x) in t.iter_mut().zip(cells).zip(x) {
+                            *t = kl_term(*we, *lc, *x, kept[j], ln_kept, ln_cz);
+                        }
+                    }
                 }
             }
+            // the sums in entry order; where every term is +0 (an exact cache
+            // that keeps the largest logit: p and q agree on every entry), the
+            // sum is +0 without the additions
+            let mut bits = 0u64;
+            for t in &term[..M * n] {
+                bits |= t.to_bits();
+            }
             let mut kl = [0f64; M];
-            for e in 0..n {
+            for e in (0..n).take(if bits == 0 { 0 } else { n }) {
                 for j in 0..M {
                     kl[j] += term[j * n + e];
                 }
@@ -495,6 +527,41 @@ fn heads_metrics<const M: usize>(
             out
         },
     )
+}
+
+/// One entry's KL term of [`heads_metrics`]: its cell's full-attention
+/// weight `we` and that weight's logarithm `lc`, the step's shifted logit
+/// `x`, with the cells' sum `kept` and the step's normaliser c_z (as logs).
+/// An entry without full-attention weight adds nothing (+0 leaves the sum,
+/// which starts at +0, unchanged).
+#[inline(always)]
+fn kl_term(we: f64, lc: f64, x: f32, kept: f64, ln_kept: f64, ln_cz: f64) -> f64 {
+    let ln_q = (x as f64 - ln_cz).max(LN_MIN_POSITIVE);
+    let v = (we / kept) * (lc - ln_kept - ln_q);
+    if we > 0.0 {
+        v
+    } else {
+        0.0
+    }
+}
+
+/// The member of the first entry whose shifted logit `x` is +0 (`single`'s
+/// entry there), eight entries compared at a time.
+#[inline(always)]
+fn first_zero(x: &[f32], single: &[u32]) -> Option<u32> {
+    let mut base = 0;
+    for chunk in x.chunks(8) {
+        let mut any = false;
+        for v in chunk {
+            any |= v.to_bits() == 0;
+        }
+        if any {
+            let e = base + chunk.iter().position(|v| v.to_bits() == 0).unwrap_or(0);
+            return Some(single[e]);
+        }
+        base += chunk.len();
+    }
+    None
 }
 
 /// `single` marker of an entry that stands for several positions (or none).
@@ -516,6 +583,28 @@ struct RefHead {
     w: Vec<f64>,
     y: Vec<f32>,
     z: f64,
+    /// The first position of the largest logit (its y is +0), and whether
+    /// another position ties with it.
+    top: (u32, bool),
+}
+
+impl RefHead {
+    fn new(out: Vec<f64>, w: Vec<f64>, y: Vec<f32>, z: f64) -> RefHead {
+        let mut zeros = y.iter().enumerate().filter(|(_, v)| v.to_bits() == 0);
+        let first = zeros.next().map_or(u32::MAX, |(p, _)| p as u32);
+        let top = (first, zeros.next().is_some());
+        RefHead { out, w, y, z, top }
+    }
+
+    /// Whether position `p` holds the largest logit (y = +0), from `top`
+    /// unless positions tie.
+    #[inline(always)]
+    fn is_top(&self, p: usize) -> bool {
+        match self.top {
+            (first, false) => p == first as usize,
+            _ => self.y[p].to_bits() == 0,
+        }
+    }
 }
 
 /// Per decode step, per query head: the full cache's attention.
@@ -537,15 +626,15 @@ fn full_reference(data: &LayerData) -> Result<Reference, ReplayError> {
                 attend_heads(data, g * group..(g + 1) * group, pos, f, &mut s)?;
                 let (n, d) = (f.len(), f.d);
                 for j in 0..group {
-                    heads.push(RefHead {
-                        out: s.out[j * d..(j + 1) * d]
+                    heads.push(RefHead::new(
+                        s.out[j * d..(j + 1) * d]
                             .iter()
                             .map(|x| *x as f64)
                             .collect(),
-                        w: s.w[j * n..(j + 1) * n].to_vec(),
-                        y: s.x[j * n..(j + 1) * n].to_vec(),
-                        z: s.z[j],
-                    });
+                        s.w[j * n..(j + 1) * n].to_vec(),
+                        s.x[j * n..(j + 1) * n].to_vec(),
+                        s.z[j],
+                    ));
                 }
             }
             Ok(heads)
@@ -764,6 +853,11 @@ fn replay_group_with(
     // largest is (heads_metrics)
     let exact = own_w && policy.exact_keys() && datas.iter().all(|d| d.window.is_none());
     for pos in p..t {
+        // the next step's reference outputs, which its metrics read first
+        // (separate allocations, each cold)
+        for r in reference.iter().filter_map(|r| r.get(pos + 1 - p)) {
+            r.iter().for_each(|h| prefetch_lines(&h.out));
+        }
         for (i, data) in datas.iter().enumerate() {
             session.append(i, pos, |g| (data.k_row(g, pos), data.v_row(g, pos)));
             // the query heads that read each cache attend together (GQA)
@@ -1170,6 +1264,9 @@ mod tests {
         /// Entries whose logit and weight heads_metrics took from the step
         /// (`exact`), on this thread.
         pub(super) static FROM_STEP: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+        /// Calls of heads_metrics whose every cell was the step's own
+        /// (no reference read per entry), on this thread.
+        pub(super) static OWN_CELLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     }
 
     /// Every policy whose groups keep the full cache (`full`; MiniCache's
@@ -1218,6 +1315,7 @@ mod tests {
             "snapkv:w=4+quant",
         ];
         FROM_STEP.with(|c| c.set(0));
+        OWN_CELLS.with(|c| c.set(0));
         for spec in fixed
             .iter()
             .copied()
@@ -1254,6 +1352,11 @@ mod tests {
         assert!(seen > 15, "{seen} groups took the reference");
         let n = FROM_STEP.with(|c| c.get());
         assert!(n > 10_000, "{n} entries' logits came from their step");
+        let own = OWN_CELLS.with(|c| c.get());
+        assert!(
+            own > 1_000,
+            "{own} metric passes took every cell from their step"
+        );
     }
 
     /// One query's attention over `c` (scale 0.5): weights, their sum,
@@ -1285,12 +1388,7 @@ mod tests {
         }
         let attend = |c: &HeadCache| attend_one(&q, c);
         let (fw, fz, fo, fy) = attend(&full);
-        let r = RefHead {
-            out: fo.iter().map(|x| *x as f64).collect(),
-            w: fw.clone(),
-            y: fy,
-            z: fz,
-        };
+        let r = RefHead::new(fo.iter().map(|x| *x as f64).collect(), fw.clone(), fy, fz);
         // compressed: positions 0, 3 exact; {5, 6, 7} merged (mean key, bias
         // ln 3); 9 exact but with a bias that makes its weight underflow; 11 exact
         let mut c = HeadCache::new(d);
@@ -1354,12 +1452,7 @@ mod tests {
         let full = cache(&(0..t).collect::<Vec<_>>());
         let (fw, fz, fo, fy) = attend(&full);
         let argmax = (0..t).find(|&p| fy[p] == 0.0).unwrap();
-        let r = RefHead {
-            out: fo.iter().map(|x| *x as f64).collect(),
-            w: fw,
-            y: fy,
-            z: fz,
-        };
+        let r = RefHead::new(fo.iter().map(|x| *x as f64).collect(), fw, fy, fz);
         let without: Vec<usize> = (0..t).filter(|&p| p != argmax).collect();
         let mut merged = cache(&[argmax, (argmax + 1) % t, (argmax + 2) % t]);
         merged.members[1] = vec![((argmax + 1) % t) as u32, ((argmax + 5) % t) as u32].into();
