@@ -151,14 +151,18 @@ impl Decode {
             at_anchor.resize(n_e, None);
             best.clear();
             best.resize(n_e, f64::MIN);
+            // (the anchor's slot and the largest only rank with `anchor_slot`)
+            let by_anchor = cfg.demote_rank == DemoteRank::AnchorSlot;
             for (sl, v) in st.slots.iter().zip(&self.sgl) {
                 sums[sl.entry] += v;
-                best[sl.entry] = best[sl.entry].max(*v);
-                if st.entries[sl.entry]
-                    .as_ref()
-                    .is_some_and(|e| e.anchor == sl.pos)
-                {
-                    at_anchor[sl.entry] = Some(*v);
+                if by_anchor {
+                    best[sl.entry] = best[sl.entry].max(*v);
+                    if st.entries[sl.entry]
+                        .as_ref()
+                        .is_some_and(|e| e.anchor == sl.pos)
+                    {
+                        at_anchor[sl.entry] = Some(*v);
+                    }
                 }
             }
             let is_centre = |e: &usize| {
@@ -314,7 +318,9 @@ impl Decode {
                 let cand = (0..st.slots.len()).filter(|&i| pred(i));
                 victim(&self.sgl, cand, |i| st.slots[i].pos, Tie::KeepLater)
             };
-            let v = lowest(&is_zero).or_else(|| {
+            // (zero-class entries exist only with `zero_class=literal_zero`)
+            let zeros = cfg.zero_class == ZeroClass::LiteralZero;
+            let v = zeros.then(|| lowest(&is_zero)).flatten().or_else(|| {
                 lowest(&|i: usize| {
                     let e = st.slots[i].entry;
                     let en = st.entries[e].as_ref().unwrap();
