@@ -442,8 +442,7 @@ fn heads_metrics<const M: usize>(
             let same_max: [bool; M] = std::array::from_fn(|j| {
                 exact
                     && c_w.is_some()
-                    && first_zero(c_x[j], single)
-                        .is_some_and(|m| m != MULTI && r[j].is_top(m as usize))
+                    && first_zero(c_x[j], single).is_some_and(|m| r[j].is_top(m as usize))
             });
             // Every head's largest shared and every entry one position: each
             // cell is the step's own weight and logit, and `kept`, their sum
@@ -545,21 +544,24 @@ fn kl_term(we: f64, lc: f64, x: f32, kept: f64, ln_kept: f64, ln_cz: f64) -> f64
     }
 }
 
-/// The member of the first entry whose shifted logit `x` is +0 (`single`'s
-/// entry there), eight entries compared at a time.
+/// The member of the first entry of one member whose shifted logit `x` is
+/// +0 (a largest), eight entries compared at a time.
 #[inline(always)]
 fn first_zero(x: &[f32], single: &[u32]) -> Option<u32> {
-    let mut base = 0;
-    for chunk in x.chunks(8) {
+    for (xs, ms) in x.chunks(8).zip(single.chunks(8)) {
         let mut any = false;
-        for v in chunk {
+        for v in xs {
             any |= v.to_bits() == 0;
         }
         if any {
-            let e = base + chunk.iter().position(|v| v.to_bits() == 0).unwrap_or(0);
-            return Some(single[e]);
+            let hit = xs
+                .iter()
+                .zip(ms)
+                .find(|(v, &m)| v.to_bits() == 0 && m != MULTI);
+            if let Some((_, &m)) = hit {
+                return Some(m);
+            }
         }
-        base += chunk.len();
     }
     None
 }
@@ -1369,6 +1371,40 @@ mod tests {
             q, &c.keys, &c.values, &c.bias, 0.5, &mut w, &mut z, &mut o, &mut x, &mut p,
         );
         (w, z[0], o, x)
+    }
+
+    /// The first largest of one member: past entries standing for several
+    /// positions, past a chunk of eight, and none where no single entry has
+    /// one; and the reference's largest, with and without a tie.
+    #[test]
+    fn the_first_single_largest_and_the_references_largest() {
+        let mut x = vec![-1.0f32; 20];
+        let mut single: Vec<u32> = (100..120).collect();
+        assert_eq!(first_zero(&x, &single), None);
+        x[3] = 0.0;
+        single[3] = MULTI;
+        assert_eq!(
+            first_zero(&x, &single),
+            None,
+            "a largest of several positions"
+        );
+        x[11] = 0.0;
+        x[17] = 0.0;
+        assert_eq!(first_zero(&x, &single), Some(111));
+        x[5] = -0.0; // not +0: a shifted logit is +0 only at the largest
+        assert_eq!(first_zero(&x, &single), Some(111));
+        let y = |zeros: &[usize]| {
+            let mut y = vec![-2.0f32; 8];
+            zeros.iter().for_each(|&p| y[p] = 0.0);
+            RefHead::new(vec![0.0; 2], vec![0.5; 8], y, 4.0)
+        };
+        let one = y(&[6]);
+        assert_eq!(one.top, (6, false));
+        assert!(one.is_top(6) && !one.is_top(2));
+        let tied = y(&[2, 6]);
+        assert_eq!(tied.top, (2, true));
+        assert!(tied.is_top(2) && tied.is_top(6) && !tied.is_top(3));
+        assert_eq!(y(&[]).top, (u32::MAX, false));
     }
 
     /// The KL without a logarithm per entry equals the direct
