@@ -458,6 +458,18 @@ fn heads_metrics<const M: usize>(
                 kept = c_z;
             } else {
                 for (e, &m) in single.iter().enumerate() {
+                    // an entry of several positions: every head's weight on
+                    // them, the heads' sums side by side in one pass over the
+                    // members (each in member order from −0.0, as
+                    // `Iterator::sum` adds)
+                    let mut multi = [-0.0f64; M];
+                    if m == MULTI {
+                        for &p in cache.members[e].iter() {
+                            for j in 0..M {
+                                multi[j] += r[j].w[p as usize];
+                            }
+                        }
+                    }
                     for j in 0..M {
                         let (c, l) = match m {
                             m if m != MULTI && same_max[j] => {
@@ -466,11 +478,7 @@ fn heads_metrics<const M: usize>(
                                 let cw = c_w.expect("same_max implies c_w");
                                 (cw[j][e], c_x[j][e] as f64)
                             }
-                            MULTI => {
-                                let c: f64 =
-                                    cache.members[e].iter().map(|&p| r[j].w[p as usize]).sum();
-                                (c, c.ln())
-                            }
+                            MULTI => (multi[j], multi[j].ln()),
                             m => {
                                 let y = r[j].y[m as usize];
                                 let w = match c_w {
