@@ -10,6 +10,7 @@ pub mod linear;
 pub mod norm;
 pub mod qlinear;
 pub mod rope;
+pub mod screen;
 pub(crate) mod simd;
 pub mod vector;
 
@@ -31,4 +32,5 @@ pub use rope::{
     apply_rope, rope_table, rotate_with_table, unapply_rope, Llama3Rope, RopeCache, RopeParams,
     RopeStyle,
 };
+pub use screen::{dot_error_factor, Blocks8};
 pub use vector::{cosine, fake_quant, l2_norm, l2_norm_f32, softmax_f64, softmax_f64_norm};

@@ -2,7 +2,7 @@
 //! kept entry (cosine), tested against the EMA threshold τ and folded into its
 //! match, per head or with one τ shared by the layer's heads.
 
-use kvreplay_kernels::cpu::{dots_norms_at, l2_norm, ColumnBlocks};
+use kvreplay_kernels::cpu::{dot_error_factor, dots_norms_at, l2_norm, Blocks8};
 
 use super::config::{D2o, HeadState, MatchOn, Merge, Threshold};
 use crate::cache::HeadCache;
@@ -20,30 +20,22 @@ impl D2o {
 
     /// Best kept match (index, cosine) of each evicted entry on the rows of
     /// `sim` (ties: the earliest kept entry). The cosine is ab / (|a| |b| +
-    /// 1e-6) in f64, the dot products summed in element order (every pair
-    /// at once, [`ColumnBlocks::dots`]), each row's norm computed once.
+    /// 1e-6) in f64, the dot products summed in element order from −0.0,
+    /// each row's norm computed once.
     fn matches(sim: &[f32], d: usize, evict: &[usize], kept: &[usize]) -> Vec<(usize, f64)> {
         let row = |e: usize| &sim[e * d..(e + 1) * d];
         let nk = kept.len();
+        if evict.len() >= 4 {
+            return Self::matches_screened(sim, d, evict, kept);
+        }
+        // a step's few evictions: straight from the rows, with their norms
         let mut ab = vec![0f64; evict.len() * nk];
-        let kept_norm: Vec<f64> = if evict.len() >= 4 {
-            // many rows (the first compression): the kept rows transposed once
-            let gather = |idx: &[usize]| -> Vec<f32> {
-                let mut out = Vec::with_capacity(idx.len() * d);
-                idx.iter().for_each(|&e| out.extend_from_slice(row(e)));
-                out
-            };
-            ColumnBlocks::of_rows(&gather(kept), d).dots(&gather(evict), &mut ab);
-            kept.iter().map(|&k| l2_norm(row(k))).collect()
-        } else {
-            // a step's few evictions: straight from the rows, with their norms
-            let mut sq = vec![0f64; nk];
-            for (i, &e) in evict.iter().enumerate() {
-                let want = (i == 0).then_some(&mut sq[..]);
-                dots_norms_at(row(e), sim, d, kept, &mut ab[i * nk..(i + 1) * nk], want);
-            }
-            sq.iter().map(|q| q.sqrt()).collect()
-        };
+        let mut sq = vec![0f64; nk];
+        for (i, &e) in evict.iter().enumerate() {
+            let want = (i == 0).then_some(&mut sq[..]);
+            dots_norms_at(row(e), sim, d, kept, &mut ab[i * nk..(i + 1) * nk], want);
+        }
+        let kept_norm: Vec<f64> = sq.iter().map(|q| q.sqrt()).collect();
         // each row's cosines first (a loop the compiler vectorises: the
         // same correctly rounded divisions), then its first maximum
         let mut u = vec![0f64; nk];
@@ -59,6 +51,81 @@ impl D2o {
                 for (k, &u) in kept.iter().zip(&u) {
                     if u > best.1 {
                         best = (*k, u);
+                    }
+                }
+                best
+            })
+            .collect()
+    }
+
+    /// [`Self::matches`] for many evicted rows (the first compression): every
+    /// cosine screened in f32 ([`Blocks8`]), then only the kept entries whose
+    /// screened cosine lies within twice the screen's error of the row's
+    /// largest computed exactly (the same sums and divisions as above).
+    ///
+    /// Why the exact best is among them: with S = Σ|a_t b_t| ≤ |a||b| ≤ den
+    /// (den = |a||b| + 1e-6 as computed, the norms' rounding ~1e-16), the
+    /// screened dot is within γ_d·S + d·2⁻¹⁴⁹ of the exact one
+    /// ([`dot_error_factor`]), so its cosine s/den within γ_d + 2⁻¹²⁰; the
+    /// f32 denominator and division add at most 4 roundings of 2⁻²⁴ relative
+    /// to a value of magnitude ≤ 1 + γ_d. Every screened cosine is thus
+    /// within `err` of the exact one, and the exact largest within 2·err of
+    /// the screened largest.
+    fn matches_screened(
+        sim: &[f32],
+        d: usize,
+        evict: &[usize],
+        kept: &[usize],
+    ) -> Vec<(usize, f64)> {
+        let row = |e: usize| &sim[e * d..(e + 1) * d];
+        let nk = kept.len();
+        let gather = |idx: &[usize]| -> Vec<f32> {
+            let mut out = Vec::with_capacity(idx.len() * d);
+            idx.iter().for_each(|&e| out.extend_from_slice(row(e)));
+            out
+        };
+        let mut s = vec![0f32; evict.len() * nk];
+        Blocks8::of_rows(&gather(kept), d).dots(&gather(evict), &mut s);
+        let kept_norm: Vec<f64> = kept.iter().map(|&k| l2_norm(row(k))).collect();
+        let kept_norm32: Vec<f32> = kept_norm.iter().map(|&n| n as f32).collect();
+        let err = dot_error_factor(d) + 2f64.powi(-120) + 5.0 * f32::EPSILON as f64;
+        let window = (2.0 * err) as f32 * 1.01;
+        let mut u32s = vec![0f32; nk];
+        evict
+            .iter()
+            .enumerate()
+            .map(|(i, &e)| {
+                let x = row(e);
+                let nx = l2_norm(x);
+                let nx32 = nx as f32;
+                let si = &s[i * nk..(i + 1) * nk];
+                // the screened cosines and their largest (a loop the compiler
+                // vectorises)
+                let mut top = f32::MIN;
+                for ((u, a), ns) in u32s.iter_mut().zip(si).zip(&kept_norm32) {
+                    *u = a / (nx32 * ns + 1e-6);
+                    top = top.max(*u);
+                }
+                // (a sum beyond f32's range screens nothing: all exactly; a
+                // NaN is never below the floor)
+                let floor = if top.is_finite() {
+                    top - window
+                } else {
+                    f32::NEG_INFINITY
+                };
+                // exactly, in kept order, where the exact largest can be
+                let mut best = (kept[0], f64::MIN);
+                for ((k, &u32), ns) in kept.iter().zip(&u32s).zip(&kept_norm) {
+                    if !(u32 < floor) {
+                        let ab: f64 = x
+                            .iter()
+                            .zip(row(*k))
+                            .map(|(p, q)| *p as f64 * *q as f64)
+                            .sum();
+                        let u = ab / (nx * ns + 1e-6);
+                        if u > best.1 {
+                            best = (*k, u);
+                        }
                     }
                 }
                 best
@@ -261,4 +328,86 @@ fn retain_unmarked<T>(v: &mut Vec<T>, gone: &[bool]) {
         i += 1;
         !gone[i - 1]
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The rule written out: every cosine exactly, the first largest.
+    fn straight(sim: &[f32], d: usize, evict: &[usize], kept: &[usize]) -> Vec<(usize, f64)> {
+        let row = |e: usize| &sim[e * d..(e + 1) * d];
+        let norm = |e: usize| {
+            row(e)
+                .iter()
+                .map(|v| *v as f64 * *v as f64)
+                .sum::<f64>()
+                .sqrt()
+        };
+        evict
+            .iter()
+            .map(|&e| {
+                let mut best = (kept[0], f64::MIN);
+                for &k in kept {
+                    let ab: f64 = row(e)
+                        .iter()
+                        .zip(row(k))
+                        .map(|(p, q)| *p as f64 * *q as f64)
+                        .sum();
+                    let u = ab / (norm(e) * norm(k) + 1e-6);
+                    if u > best.1 {
+                        best = (k, u);
+                    }
+                }
+                best
+            })
+            .collect()
+    }
+
+    #[test]
+    fn screened_matches_are_the_rule_bit_for_bit_near_ties_included() {
+        let mut seed = 0x9e3779b97f4a7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        let mut screened_out = 0usize;
+        for (n, d) in [(40usize, 64usize), (75, 8), (33, 3), (130, 64)] {
+            let mut sim: Vec<f32> = (0..n * d).map(|_| next()).collect();
+            // near ties: copies of row 1, scaled, nudged by one ulp, negated,
+            // and a row of zeros
+            for (r, how) in (5..12).zip(0..) {
+                let src: Vec<f32> = sim[d..2 * d].to_vec();
+                let dst = &mut sim[r * d..(r + 1) * d];
+                dst.copy_from_slice(&src);
+                match how {
+                    0 => {}
+                    1 => dst.iter_mut().for_each(|v| *v *= 3.0),
+                    2 => dst[0] = f32::from_bits(dst[0].to_bits() + 1),
+                    3 => dst[d - 1] = f32::from_bits(dst[d - 1].to_bits() - 1),
+                    4 => dst.iter_mut().for_each(|v| *v = -*v),
+                    5 => dst.iter_mut().for_each(|v| *v *= 1e-30),
+                    _ => dst.fill(0.0),
+                }
+            }
+            for split in [2usize, 3, 7] {
+                let (evict, kept): (Vec<usize>, Vec<usize>) = (0..n).partition(|e| e % split == 1);
+                // row 1 and its copies sit on both sides
+                let got = D2o::matches(&sim, d, &evict, &kept);
+                let want = straight(&sim, d, &evict, &kept);
+                assert_eq!(got.len(), want.len());
+                for (g, w) in got.iter().zip(&want) {
+                    assert_eq!(
+                        (g.0, g.1.to_bits()),
+                        (w.0, w.1.to_bits()),
+                        "n={n} d={d} split={split}"
+                    );
+                }
+                screened_out += evict.len() * kept.len();
+            }
+        }
+        assert!(screened_out > 1000);
+    }
 }
