@@ -64,8 +64,16 @@ impl Blocks8 {
         let blocks = n.div_ceil(8);
         let mut put = |i: usize, b: usize, r: &[f32; 8]| {
             let j0 = 8 * b;
-            let w = (n - j0).min(8);
-            out[i * n + j0..i * n + j0 + w].copy_from_slice(&r[..w]);
+            match n - j0 {
+                // a whole block: a copy of known length, no call
+                8.. => {
+                    let dst: &mut [f32; 8] = (&mut out[i * n + j0..i * n + j0 + 8])
+                        .try_into()
+                        .expect("eight values");
+                    *dst = *r;
+                }
+                w => out[i * n + j0..i * n + j0 + w].copy_from_slice(&r[..w]),
+            }
         };
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
@@ -80,14 +88,16 @@ impl Blocks8 {
                     // d floats and cols w blocks of 8d.
                     match w {
                         2 => {
-                            let r = unsafe { tile_avx2::<4, 2>(rows, cols, d) };
+                            let mut r = [[[0f32; 8]; 2]; 4];
+                            unsafe { tile_avx2::<4, 2>(rows, cols, d, &mut r) };
                             for (k, rk) in r.iter().enumerate() {
                                 put(i + k, b, &rk[0]);
                                 put(i + k, b + 1, &rk[1]);
                             }
                         }
                         _ => {
-                            let r = unsafe { tile_avx2::<4, 1>(rows, cols, d) };
+                            let mut r = [[[0f32; 8]; 1]; 4];
+                            unsafe { tile_avx2::<4, 1>(rows, cols, d, &mut r) };
                             for (k, rk) in r.iter().enumerate() {
                                 put(i + k, b, &rk[0]);
                             }
@@ -99,7 +109,8 @@ impl Blocks8 {
                     let row = &a[k * d..(k + 1) * d];
                     for c in 0..w {
                         // SAFETY: as above, one row and one block.
-                        let r = unsafe { tile_avx2::<1, 1>(row, &cols[c * 8 * d..], d) };
+                        let mut r = [[[0f32; 8]; 1]; 1];
+                        unsafe { tile_avx2::<1, 1>(row, &cols[c * 8 * d..], d, &mut r) };
                         put(k, b + c, &r[0][0]);
                     }
                 }
@@ -123,15 +134,16 @@ impl Blocks8 {
 }
 
 /// R rows (`a`, R · d floats) against the B consecutive blocks of `cols`
-/// (B · 8d floats): per row and block the eight sums, R · B independent
-/// chains of fused multiply-adds, each sum in t order.
+/// (B · 8d floats): per row and block the eight sums into `out`, R · B
+/// independent chains of fused multiply-adds, each sum in t order.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn tile_avx2<const R: usize, const B: usize>(
     a: &[f32],
     cols: &[f32],
     d: usize,
-) -> [[[f32; 8]; B]; R] {
+    out: &mut [[[f32; 8]; B]; R],
+) {
     use std::arch::x86_64::*;
     debug_assert!(a.len() >= R * d && cols.len() >= B * 8 * d);
     let (ap, cp) = (a.as_ptr(), cols.as_ptr());
@@ -148,13 +160,11 @@ unsafe fn tile_avx2<const R: usize, const B: usize>(
             }
         }
     }
-    let mut out = [[[0f32; 8]; B]; R];
     for r in 0..R {
         for c in 0..B {
             _mm256_storeu_ps(out[r][c].as_mut_ptr(), acc[r][c]);
         }
     }
-    out
 }
 
 #[cfg(test)]
