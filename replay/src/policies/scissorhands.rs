@@ -64,6 +64,11 @@ pub struct Scissorhands {
 impl Scissorhands {
     /// θ of a row whose visible part is `visible` and full length `n_full`.
     fn threshold(&self, visible: &[f32], n_full: usize) -> f32 {
+        self.threshold_in(visible, n_full, &mut Vec::new())
+    }
+
+    /// [`Self::threshold`] with `scratch` for the row's copy.
+    fn threshold_in(&self, visible: &[f32], n_full: usize, scratch: &mut Vec<f32>) -> f32 {
         let n = if self.include_masked {
             n_full
         } else {
@@ -74,10 +79,11 @@ impl Scissorhands {
         }
         // the value at index ⌊0.9·n⌋ of the row sorted ascending: selected in
         // linear time (total order, so the same value a full sort puts there)
-        let mut sorted = visible.to_vec();
-        sorted.resize(n, 0.0);
+        scratch.clear();
+        scratch.extend_from_slice(visible);
+        scratch.resize(n, 0.0);
         let k = (0.9 * n as f64).floor() as usize;
-        *sorted.select_nth_unstable_by(k, |a, b| cmp_f32(*a, *b)).1
+        *scratch.select_nth_unstable_by(k, |a, b| cmp_f32(*a, *b)).1
     }
 
     /// masks[i][h'] over the last w_h prompt rows (bit 0 = latest row), per
@@ -129,10 +135,19 @@ impl crate::memo::MemoKey for PivotalMasks {
 
 /// Group mean of pivotal counts: masks[e][h'] has bit 0 = latest row.
 fn counts(masks: &[Vec<u128>]) -> Vec<f32> {
-    masks
-        .iter()
-        .map(|m| m.iter().map(|x| x.count_ones() as f32).sum::<f32>() / m.len() as f32)
-        .collect()
+    let mut out = Vec::new();
+    counts_into(masks, &mut out);
+    out
+}
+
+/// [`counts`] into `out`.
+fn counts_into(masks: &[Vec<u128>], out: &mut Vec<f32>) {
+    out.clear();
+    out.extend(
+        masks
+            .iter()
+            .map(|m| m.iter().map(|x| x.count_ones() as f32).sum::<f32>() / m.len() as f32),
+    );
 }
 
 impl Scorer for Scissorhands {
@@ -168,6 +183,7 @@ impl Scorer for Scissorhands {
             heads,
             cfg: *self,
             counts: Vec::new(),
+            row: Vec::new(),
         }))
     }
 }
@@ -180,6 +196,8 @@ struct Pivotal {
     cfg: Scissorhands,
     /// The last counts asked for.
     counts: Vec<f32>,
+    /// A row's copy for its threshold.
+    row: Vec<f32>,
 }
 
 impl StepScorer for Pivotal {
@@ -193,7 +211,7 @@ impl StepScorer for Pivotal {
         let masks = &mut self.masks[c];
         masks.push(vec![0u128; heads.len()]);
         for (hh, row) in ctx.probs[heads].iter().enumerate() {
-            let theta = self.cfg.threshold(row, row.len());
+            let theta = self.cfg.threshold_in(row, row.len(), &mut self.row);
             for (e, a) in row.iter().enumerate() {
                 let m = &mut masks[e][hh];
                 *m = ((*m << 1) | (*a > theta) as u128) & keep_bits;
@@ -201,7 +219,7 @@ impl StepScorer for Pivotal {
         }
     }
     fn scores(&mut self, _: &StepCtx, c: usize, _: &HeadCache) -> &[f32] {
-        self.counts = counts(&self.masks[c]);
+        counts_into(&self.masks[c], &mut self.counts);
         &self.counts
     }
     fn evicted(&mut self, c: usize, e: usize) {
