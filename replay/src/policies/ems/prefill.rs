@@ -330,9 +330,14 @@ impl Ems {
                 let (mut dir, mut val) = (vec![0f64; d], vec![0f64; d]);
                 for (&j, wj) in m.iter().zip(&w) {
                     let kn = rows.kt_norm[j];
-                    for x in 0..d {
-                        dir[x] += wj * k_tilde(j)[x] as f64 / kn;
-                        val[x] += wj * ctx.value(g, j)[x] as f64;
+                    // the rows as slices: a loop that vectorises (the same
+                    // operations per element)
+                    let (kt, vr) = (k_tilde(j), ctx.value(g, j));
+                    for ((dx, vx), (k, v)) in
+                        dir.iter_mut().zip(val.iter_mut()).zip(kt.iter().zip(vr))
+                    {
+                        *dx += wj * *k as f64 / kn;
+                        *vx += wj * *v as f64;
                     }
                 }
                 add_entry(

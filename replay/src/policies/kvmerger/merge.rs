@@ -68,9 +68,13 @@ impl KvMerger {
         let z: f64 = gw.iter().sum();
         let (mut k, mut v) = (vec![0f64; d], vec![0f64; d]);
         for (&t, w) in s.iter().zip(&gw) {
-            for c in 0..d {
-                k[c] += w / z * ctx.key(g, t)[c] as f64;
-                v[c] += w / z * ctx.value(g, t)[c] as f64;
+            // (w / z) · x per element, as written `w / z * x`: the weight
+            // once per member, the rows as slices (a loop that vectorises)
+            let wz = w / z;
+            let (kr, vr) = (ctx.key(g, t), ctx.value(g, t));
+            for ((kc, vc), (x, y)) in k.iter_mut().zip(v.iter_mut()).zip(kr.iter().zip(vr)) {
+                *kc += wz * *x as f64;
+                *vc += wz * *y as f64;
             }
         }
         let n = s.len() as f64;
