@@ -153,16 +153,16 @@ unsafe fn tile_avx2<const R: usize, const B: usize>(
         for (c, yc) in y.iter_mut().enumerate() {
             *yc = _mm256_loadu_ps(cp.add(c * 8 * d + 8 * t));
         }
-        for r in 0..R {
+        for (r, ar) in acc.iter_mut().enumerate() {
             let xr = _mm256_broadcast_ss(&*ap.add(r * d + t));
-            for c in 0..B {
-                acc[r][c] = _mm256_fmadd_ps(xr, y[c], acc[r][c]);
+            for (a, yc) in ar.iter_mut().zip(&y) {
+                *a = _mm256_fmadd_ps(xr, *yc, *a);
             }
         }
     }
-    for r in 0..R {
-        for c in 0..B {
-            _mm256_storeu_ps(out[r][c].as_mut_ptr(), acc[r][c]);
+    for (or, ar) in out.iter_mut().zip(&acc) {
+        for (o, a) in or.iter_mut().zip(ar) {
+            _mm256_storeu_ps(o.as_mut_ptr(), *a);
         }
     }
 }

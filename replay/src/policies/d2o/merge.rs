@@ -107,7 +107,7 @@ impl D2o {
                     top = top.max(*u);
                 }
                 // (a sum beyond f32's range screens nothing: all exactly; a
-                // NaN is never below the floor)
+                // NaN is never screened out)
                 let floor = if top.is_finite() {
                     top - window
                 } else {
@@ -116,7 +116,7 @@ impl D2o {
                 // exactly, in kept order, where the exact largest can be
                 let mut best = (kept[0], f64::MIN);
                 for ((k, &u32), ns) in kept.iter().zip(&u32s).zip(&kept_norm) {
-                    if !(u32 < floor) {
+                    if u32 >= floor || u32.is_nan() {
                         let ab: f64 = x
                             .iter()
                             .zip(row(*k))
