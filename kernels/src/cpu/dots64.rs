@@ -331,26 +331,35 @@ unsafe fn block_dots_avx2<const R: usize, const B: usize>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn scalar(a: &[f32], b: &[f32]) -> f64 {
         a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
     }
 
+    /// A fixed pseudo-random value in about −10 ..= 10 per (index, stream).
+    pub(crate) fn pseudo(i: usize, s: usize) -> f32 {
+        (((i * 2654435761 + s) >> 7) % 1999) as f32 / 97.0 - 10.0
+    }
+
+    /// (rows of a, rows of b, d) for the many-pair products: one pair, ragged
+    /// tiles, an odd d, no rows; two-block tiles with rows and a block left
+    /// over; 16-row groups.
+    pub(crate) const SHAPES: [(usize, usize, usize); 7] = [
+        (1, 1, 64),
+        (5, 7, 64),
+        (9, 13, 3),
+        (4, 8, 16),
+        (0, 3, 8),
+        (6, 21, 8),
+        (9, 37, 64),
+    ];
+
     #[test]
     fn dots_equal_the_scalar_sums_bit_for_bit() {
-        let f = |i: usize, s: usize| (((i * 2654435761 + s) >> 7) % 1999) as f32 / 97.0 - 10.0;
-        for (na, nb, d) in [
-            (1usize, 1usize, 64usize),
-            (5, 7, 64),
-            (9, 13, 3),
-            (4, 8, 16),
-            (0, 3, 8),
-            // two-block tiles with rows and a block left over; 16-row groups
-            (6, 21, 8),
-            (9, 37, 64),
-        ] {
+        let f = pseudo;
+        for (na, nb, d) in SHAPES {
             let a: Vec<f32> = (0..na * d).map(|i| f(i, 1)).collect();
             let b: Vec<f32> = (0..nb * d).map(|i| f(i, 2)).collect();
             let cb = ColumnBlocks::of_rows(&b, d);

@@ -173,17 +173,9 @@ mod tests {
 
     #[test]
     fn screened_dots_lie_within_the_bound_of_the_exact_sums() {
-        let f = |i: usize, s: usize| (((i * 2654435761 + s) >> 7) % 1999) as f32 / 97.0 - 10.0;
-        for (na, nb, d) in [
-            (1usize, 1usize, 64usize),
-            (5, 7, 64),
-            (9, 13, 3),
-            (4, 8, 16),
-            (0, 3, 8),
-            (6, 21, 8),
-            (9, 37, 64),
-            (4, 17, 256),
-        ] {
+        use crate::cpu::dots64::tests::{pseudo as f, SHAPES};
+        // the exact products' shapes, and a long row (a larger bound)
+        for (na, nb, d) in SHAPES.into_iter().chain([(4, 17, 256)]) {
             let a: Vec<f32> = (0..na * d).map(|i| f(i, 1)).collect();
             let b: Vec<f32> = (0..nb * d).map(|i| f(i, 2)).collect();
             let blocks = Blocks8::of_rows(&b, d);
