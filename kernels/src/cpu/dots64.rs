@@ -330,14 +330,10 @@ unsafe fn block_dots_avx2<const R: usize, const B: usize>(
     out
 }
 
+/// Rows shared by this module's tests and the screen's
+/// ([`super::screen`]).
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-
-    fn scalar(a: &[f32], b: &[f32]) -> f64 {
-        a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
-    }
-
+pub(crate) mod test_rows {
     /// A fixed pseudo-random value in about −10 ..= 10 per (index, stream).
     pub(crate) fn pseudo(i: usize, s: usize) -> f32 {
         (((i * 2654435761 + s) >> 7) % 1999) as f32 / 97.0 - 10.0
@@ -355,6 +351,16 @@ pub(crate) mod tests {
         (6, 21, 8),
         (9, 37, 64),
     ];
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_rows::{pseudo, SHAPES};
+    use super::*;
+
+    fn scalar(a: &[f32], b: &[f32]) -> f64 {
+        a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
+    }
 
     #[test]
     fn dots_equal_the_scalar_sums_bit_for_bit() {

@@ -173,7 +173,7 @@ mod tests {
 
     #[test]
     fn screened_dots_lie_within_the_bound_of_the_exact_sums() {
-        use crate::cpu::dots64::tests::{pseudo as f, SHAPES};
+        use crate::cpu::dots64::test_rows::{pseudo as f, SHAPES};
         // the exact products' shapes, and a long row (a larger bound)
         for (na, nb, d) in SHAPES.into_iter().chain([(4, 17, 256)]) {
             let a: Vec<f32> = (0..na * d).map(|i| f(i, 1)).collect();
