@@ -267,9 +267,10 @@ fn capture_ops(c: &mut Criterion) {
     g.finish();
 }
 
-/// The policies' f64 similarity dots (`dots64`) at D2O's shapes: its first
-/// compression matches 1,024 evicted rows against 1,024 kept ones; a decode
-/// step matches one evicted row against the kept rows it indexes.
+/// The policies' similarity dots at D2O's shapes: its first compression
+/// matches 1,024 evicted rows against 1,024 kept ones, screened in f32
+/// (`screen`, what D2O runs) or exact in f64 (`dots64`, what it ran before);
+/// a decode step matches one evicted row against the kept rows it indexes.
 fn similarity(c: &mut Criterion) {
     let d = 64;
     let mut g = c.benchmark_group("similarity");
@@ -280,6 +281,11 @@ fn similarity(c: &mut Criterion) {
     g.throughput(Throughput::Elements((2 * na * nb * d) as u64));
     g.bench_function("column_blocks_dots/1024x1024", |bn| {
         bn.iter(|| blocks.dots(black_box(&a), &mut out))
+    });
+    let blocks8 = cpu::Blocks8::of_rows(&b, d);
+    let mut out32 = vec![0f32; na * nb];
+    g.bench_function("screen_blocks8_dots/1024x1024", |bn| {
+        bn.iter(|| blocks8.dots(black_box(&a), &mut out32))
     });
     let idx: Vec<usize> = (0..nb).rev().collect();
     let (mut at, mut sq) = (vec![0f64; nb], vec![0f64; nb]);
