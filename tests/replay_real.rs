@@ -14,14 +14,21 @@ use kvreplay_traces::Trace;
 
 mod common;
 
-/// A passkey prompt of a few hundred tokens, captured once per test binary.
+/// A passkey prompt of a few hundred tokens, captured once per test binary
+/// into cargo's scratch folder for integration tests (target/tmp), replacing
+/// the last run's. Not a `TempDir`: a static is never dropped, so a temporary
+/// folder held here was left behind (33 MB in /tmp) by every run.
 fn trace() -> Option<&'static Path> {
-    static TRACE: OnceLock<Option<(tempfile::TempDir, PathBuf)>> = OnceLock::new();
+    static TRACE: OnceLock<Option<PathBuf>> = OnceLock::new();
     TRACE
         .get_or_init(|| {
             let model = common::model()?;
-            let tmp = tempfile::tempdir().unwrap();
-            let out = tmp.path().join("passkey.kvtrace");
+            let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("replay_real");
+            if dir.exists() {
+                std::fs::remove_dir_all(&dir).unwrap();
+            }
+            std::fs::create_dir_all(&dir).unwrap();
+            let out = dir.join("passkey.kvtrace");
             let filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ".repeat(6);
             let prompt = format!("There is a passkey hidden in this text. {filler}The passkey is 68142. Remember it. {filler}What is the passkey?");
             let o = Command::new(env!("CARGO_BIN_EXE_kvreplay"))
@@ -31,10 +38,9 @@ fn trace() -> Option<&'static Path> {
                 .output()
                 .unwrap();
             assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-            Some((tmp, out))
+            Some(out)
         })
-        .as_ref()
-        .map(|(_, p)| p.as_path())
+        .as_deref()
 }
 
 /// Engine kept positions per (layer, KV head) after prefill.
