@@ -48,7 +48,7 @@ for i in json.load(open(sys.argv[1]))["install"]:
     for spec in "${large[@]}"; do
         "${pip[@]}" --no-deps "$spec"
     done
-    "${pip[@]}" --no-deps "${small[@]}"
+    [ "${#small[@]}" = 0 ] || "${pip[@]}" --no-deps "${small[@]}"
     "$venv/bin/python" -c 'import torch, transformers, gguf, accelerate'
 fi
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
