@@ -20,8 +20,9 @@ cd "$(dirname "$0")/.."
 venv=.venv-hf
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 pkgs=(torch transformers gguf accelerate numpy pytest)
+imports="import $(IFS=,; echo "${pkgs[*]}")"
 pip=("$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir)
-if ! "$venv/bin/python" -c 'import torch, transformers, gguf, accelerate, numpy, pytest' 2>/dev/null; then
+if ! "$venv/bin/python" -c "$imports" 2>/dev/null; then
     need=${KVREPLAY_HF_MIN_FREE_GIB:-7}
     free=$(df -Pk "$venv" | awk 'NR == 2 { print int($4 / 1048576) }')
     if [ "$free" -lt "$need" ]; then
@@ -49,7 +50,7 @@ for i in json.load(open(sys.argv[1]))["install"]:
         "${pip[@]}" --no-deps "$spec"
     done
     [ "${#small[@]}" = 0 ] || "${pip[@]}" --no-deps "${small[@]}"
-    "$venv/bin/python" -c 'import torch, transformers, gguf, accelerate'
+    "$venv/bin/python" -c "$imports"
 fi
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
 "${pip[@]}" --force-reinstall --no-deps "$CARGO_TARGET_DIR"/wheels/kvreplay-*.whl

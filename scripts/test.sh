@@ -98,8 +98,9 @@ else
             # CI (.ci/run): nothing compiles after this point, and torch needs
             # room (scripts/test-python-hf.sh): drop the test binaries and
             # intermediate build files; the CLI and the wheel stay
-            rm -rf target/release/deps target/release/build target/release/.fingerprint
-            echo "pruned target/release/{deps,build,.fingerprint} (KVREPLAY_PRUNE_BUILD);" \
+            rel=${CARGO_TARGET_DIR:-target}/release
+            rm -rf "$rel/deps" "$rel/build" "$rel/.fingerprint"
+            echo "pruned $rel/{deps,build,.fingerprint} (KVREPLAY_PRUNE_BUILD);" \
                 "$(df -Ph . | awk 'NR == 2 { print $4 }') free"
         fi
         pytest_suite scripts/test-python-hf.sh
