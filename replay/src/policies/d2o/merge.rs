@@ -105,46 +105,81 @@ impl D2o {
         let err = dot_error_factor(d) + 2f64.powi(-120) + 5.0 * f32::EPSILON as f64;
         let window = (2.0 * err) as f32 * 1.01;
         let mut u32s = vec![0f32; nk];
-        let found = evict
-            .iter()
-            .zip(&evict_norm)
-            .enumerate()
-            .map(|(i, (&e, &nx))| {
-                let x = row(e);
-                let nx32 = nx as f32;
-                let si = &s[i * nk..(i + 1) * nk];
-                // the screened cosines and their largest (a loop the compiler
-                // vectorises)
-                let mut top = f32::MIN;
-                for ((u, a), ns) in u32s.iter_mut().zip(si).zip(&kept_norm32) {
-                    *u = a / (nx32 * ns + 1e-6);
-                    top = top.max(*u);
-                }
-                // (a sum beyond f32's range screens nothing: all exactly; a
-                // NaN is never screened out)
-                let floor = if top.is_finite() {
-                    top - window
-                } else {
-                    f32::NEG_INFINITY
-                };
-                // exactly, in kept order, where the exact largest can be
-                let mut best = (kept[0], f64::MIN);
-                for ((k, &u32), ns) in kept.iter().zip(&u32s).zip(&kept_norm) {
-                    if u32 >= floor || u32.is_nan() {
-                        let ab: f64 = x
-                            .iter()
-                            .zip(row(*k))
-                            .map(|(p, q)| *p as f64 * *q as f64)
-                            .sum();
-                        let u = ab / (nx * ns + 1e-6);
-                        if u > best.1 {
-                            best = (*k, u);
+        // compiled for AVX2 where the CPU has it (the closure is inlined
+        // there): the same divisions and comparisons, eight lanes at a time
+        let found = kvreplay_kernels::cpu::with_avx2(
+            #[inline(always)]
+            || {
+                evict
+                    .iter()
+                    .zip(&evict_norm)
+                    .enumerate()
+                    .map(|(i, (&e, &nx))| {
+                        let x = row(e);
+                        let nx32 = nx as f32;
+                        let si = &s[i * nk..(i + 1) * nk];
+                        // the screened cosines (correctly rounded divisions, a
+                        // loop that vectorises)
+                        for ((u, a), ns) in u32s.iter_mut().zip(si).zip(&kept_norm32) {
+                            *u = a / (nx32 * ns + 1e-6);
                         }
-                    }
-                }
-                best
-            })
-            .collect();
+                        // their largest, passing over NaN as `f32::max` does:
+                        // in eight lanes of `u > m`, then across the lanes (the
+                        // largest of a set is the same whatever the order; +0
+                        // and −0 give the same floor below)
+                        let chunks = u32s.chunks_exact(8);
+                        let mut lanes = [f32::MIN; 8];
+                        for c in chunks.clone() {
+                            for (m, u) in lanes.iter_mut().zip(c) {
+                                if *u > *m {
+                                    *m = *u;
+                                }
+                            }
+                        }
+                        let top = lanes
+                            .iter()
+                            .chain(chunks.remainder())
+                            .fold(f32::MIN, |t, u| t.max(*u));
+                        // (a sum beyond f32's range screens nothing: all exactly; a
+                        // NaN is never screened out)
+                        let floor = if top.is_finite() {
+                            top - window
+                        } else {
+                            f32::NEG_INFINITY
+                        };
+                        // exactly, in kept order, where the exact largest can be:
+                        // every u with !(u < floor) (u ≥ floor, or NaN), found
+                        // eight at a time
+                        let mut best = (kept[0], f64::MIN);
+                        for (c0, c) in (0..nk).step_by(8).zip(u32s.chunks(8)) {
+                            let mut hit = false;
+                            for u in c {
+                                hit |= !(*u < floor);
+                            }
+                            if !hit {
+                                continue;
+                            }
+                            for (t, u32) in c.iter().enumerate() {
+                                if *u32 < floor {
+                                    continue;
+                                }
+                                let k = kept[c0 + t];
+                                let ab: f64 = x
+                                    .iter()
+                                    .zip(row(k))
+                                    .map(|(p, q)| *p as f64 * *q as f64)
+                                    .sum();
+                                let u = ab / (nx * kept_norm[c0 + t] + 1e-6);
+                                if u > best.1 {
+                                    best = (k, u);
+                                }
+                            }
+                        }
+                        best
+                    })
+                    .collect::<Vec<_>>()
+            },
+        );
         Some(found)
     }
 
