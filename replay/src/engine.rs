@@ -494,6 +494,8 @@ fn heads_metrics<const M: usize>(
                     }
                 }
             }
+            // rows whose every term is +0 without computing them (`own`, below)
+            let mut zero_row = [false; M];
             for j in 0..M {
                 out[j][2] = kept[j] / r[j].z;
                 let (ln_kept, ln_cz) = (kept[j].ln(), c_z[j].ln());
@@ -502,6 +504,21 @@ fn heads_metrics<const M: usize>(
                 match own {
                     // each cell the step's own weight and logit
                     true => {
+                        // Here kept = c_z, so ln_kept = ln_cz, and an entry's
+                        // term is (w/kept)·((x − ln_cz) − ln_q) with ln_q =
+                        // max(x − ln_cz, ln MIN_POSITIVE): where x − ln_cz ≥
+                        // ln MIN_POSITIVE, the difference of two equal numbers,
+                        // +0, so the term is +0 (w/kept is finite and ≥ 0).
+                        // A row without an entry below that floor (or NaN)
+                        // is +0 throughout.
+                        let mut below = false;
+                        for v in x {
+                            below |= !(*v as f64 - ln_cz >= LN_MIN_POSITIVE);
+                        }
+                        if !below {
+                            zero_row[j] = true;
+                            continue;
+                        }
                         let cw = c_w.expect("same_max implies c_w")[j];
                         for ((t, we), x) in t.iter_mut().zip(cw).zip(x) {
                             *t = kl_term(*we, *x as f64, *x, kept[j], ln_kept, ln_cz);
@@ -519,8 +536,15 @@ fn heads_metrics<const M: usize>(
             // that keeps the largest logit: p and q agree on every entry), the
             // sum is +0 without the additions
             let mut bits = 0u64;
-            for t in &term[..M * n] {
-                bits |= t.to_bits();
+            for j in (0..M).filter(|&j| !zero_row[j]) {
+                for t in &term[j * n..(j + 1) * n] {
+                    bits |= t.to_bits();
+                }
+            }
+            if bits != 0 {
+                for j in (0..M).filter(|&j| zero_row[j]) {
+                    term[j * n..(j + 1) * n].fill(0.0);
+                }
             }
             let mut kl = [0f64; M];
             for e in (0..n).take(if bits == 0 { 0 } else { n }) {
@@ -1478,6 +1502,59 @@ mod tests {
     /// own step's weight (exp of the same f32): the metrics are the bits the
     /// reference's weights give, on caches that keep the reference's
     /// maximum (every logit the same bits), lose it (none), or merge.
+    /// An exact cache that keeps the largest logit (`own` in
+    /// [`heads_metrics`]) has a KL of +0, without its terms, unless an
+    /// entry's log-probability falls below ln f64::MIN_POSITIVE: then its
+    /// weight, subnormal but positive, gives a term of its own, and the
+    /// shortcut computes the row as the reference path does.
+    #[test]
+    fn an_own_row_below_the_smallest_log_probability_keeps_its_terms() {
+        let d = 4;
+        let q = [2f32, 0.0, 0.0, 0.0];
+        // logits 0.5 · 2 · k0: 0, −1, −720 (exp(−720) is subnormal), −2
+        let k0 = [0f32, -1.0, -720.0, -2.0];
+        let keys: Vec<f32> = k0.iter().flat_map(|k| [*k, 0.0, 0.0, 0.0]).collect();
+        let vals: Vec<f32> = (0..4 * d).map(|i| i as f32 * 0.25 - 1.0).collect();
+        let mut full = HeadCache::new(d);
+        for p in 0..4 {
+            full.push_exact(p, &keys[p * d..(p + 1) * d], &vals[p * d..(p + 1) * d]);
+        }
+        let (fw, fz, fo, fy) = attend_one(&q, &full);
+        assert!(fw[2] > 0.0 && fw[2] < f64::MIN_POSITIVE, "weight {}", fw[2]);
+        let r = RefHead::new(fo.iter().map(|x| *x as f64).collect(), fw, fy, fz);
+        for ps in [vec![0usize, 1, 2, 3], vec![0, 2], vec![0, 1, 3]] {
+            let mut c = HeadCache::new(d);
+            for &p in &ps {
+                c.push_exact(p, &keys[p * d..(p + 1) * d], &vals[p * d..(p + 1) * d]);
+            }
+            let (cw, cz, co, cx) = attend_one(&q, &c);
+            let mut single = Vec::new();
+            single_members(&c, &mut single);
+            let mut b = MetricBuf::default();
+            OWN_CELLS.with(|c| c.set(0));
+            let own = heads_metrics::<1>(
+                [&co],
+                [&r],
+                &c,
+                &single,
+                [&cx],
+                Some([&cw]),
+                true,
+                [cz],
+                &mut b,
+            )[0];
+            assert_eq!(OWN_CELLS.with(|c| c.get()), 1, "{ps:?}: own cells");
+            let direct =
+                heads_metrics::<1>([&co], [&r], &c, &single, [&cx], None, false, [cz], &mut b)[0];
+            assert_eq!(own.map(f64::to_bits), direct.map(f64::to_bits), "{ps:?}");
+            // position 2 kept: its term, negative; else every term +0
+            match ps.contains(&2) {
+                true => assert!(own[3] < 0.0, "{ps:?}: kl {}", own[3]),
+                false => assert_eq!(own[3].to_bits(), 0, "{ps:?}: kl {}", own[3]),
+            }
+        }
+    }
+
     #[test]
     fn exact_entries_take_their_own_weight_with_the_same_bits() {
         let (d, t) = (4usize, 12usize);
