@@ -513,7 +513,8 @@ fn heads_metrics<const M: usize>(
                         // is +0 throughout.
                         let mut below = false;
                         for v in x {
-                            below |= !(*v as f64 - ln_cz >= LN_MIN_POSITIVE);
+                            let a = *v as f64 - ln_cz;
+                            below |= a < LN_MIN_POSITIVE || a.is_nan();
                         }
                         if !below {
                             zero_row[j] = true;

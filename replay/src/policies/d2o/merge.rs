@@ -148,13 +148,12 @@ impl D2o {
                             f32::NEG_INFINITY
                         };
                         // exactly, in kept order, where the exact largest can be:
-                        // every u with !(u < floor) (u ≥ floor, or NaN), found
-                        // eight at a time
+                        // every u ≥ floor, or NaN, found eight at a time
                         let mut best = (kept[0], f64::MIN);
                         for (c0, c) in (0..nk).step_by(8).zip(u32s.chunks(8)) {
                             let mut hit = false;
                             for u in c {
-                                hit |= !(*u < floor);
+                                hit |= *u >= floor || u.is_nan();
                             }
                             if !hit {
                                 continue;
