@@ -1532,21 +1532,13 @@ mod tests {
             let mut single = Vec::new();
             single_members(&c, &mut single);
             let mut b = MetricBuf::default();
+            let mut metrics = |w: Option<[&[f64]; 1]>, exact: bool| {
+                heads_metrics::<1>([&co], [&r], &c, &single, [&cx], w, exact, [cz], &mut b)[0]
+            };
             OWN_CELLS.with(|c| c.set(0));
-            let own = heads_metrics::<1>(
-                [&co],
-                [&r],
-                &c,
-                &single,
-                [&cx],
-                Some([&cw]),
-                true,
-                [cz],
-                &mut b,
-            )[0];
+            let own = metrics(Some([&cw]), true);
             assert_eq!(OWN_CELLS.with(|c| c.get()), 1, "{ps:?}: own cells");
-            let direct =
-                heads_metrics::<1>([&co], [&r], &c, &single, [&cx], None, false, [cz], &mut b)[0];
+            let direct = metrics(None, false);
             assert_eq!(own.map(f64::to_bits), direct.map(f64::to_bits), "{ps:?}");
             // position 2 kept: its term, negative; else every term +0
             match ps.contains(&2) {
