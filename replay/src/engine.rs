@@ -1499,10 +1499,6 @@ mod tests {
         assert_eq!(m[2], kept / fz);
     }
 
-    /// An exact entry whose shifted logit has the reference's bits takes its
-    /// own step's weight (exp of the same f32): the metrics are the bits the
-    /// reference's weights give, on caches that keep the reference's
-    /// maximum (every logit the same bits), lose it (none), or merge.
     /// An exact cache that keeps the largest logit (`own` in
     /// [`heads_metrics`]) has a KL of +0, without its terms, unless an
     /// entry's log-probability falls below ln f64::MIN_POSITIVE: then its
@@ -1548,6 +1544,10 @@ mod tests {
         }
     }
 
+    /// An exact entry whose shifted logit has the reference's bits takes its
+    /// own step's weight (exp of the same f32): the metrics are the bits the
+    /// reference's weights give, on caches that keep the reference's
+    /// maximum (every logit the same bits), lose it (none), or merge.
     #[test]
     fn exact_entries_take_their_own_weight_with_the_same_bits() {
         let (d, t) = (4usize, 12usize);
