@@ -10,6 +10,120 @@ pub const F16_BITS: u64 = 16;
 /// allocation.
 pub type Members = smallvec::SmallVec<[u32; 2]>;
 
+/// The (n, d) keys or values of a [`HeadCache`]: a `Vec<f32>` whose live
+/// rows may start past its front, so that removing a row moves whichever
+/// side of it is shorter. Removing row e of n moves the e rows before it one
+/// row back (the front advances) or the n − e − 1 after it one row forward;
+/// eviction policies remove mostly old entries, near the front. Derefs to the
+/// live rows, in order.
+#[derive(Clone, Debug, Default)]
+pub struct Rows {
+    buf: Vec<f32>,
+    /// Index in `buf` of the first live element.
+    start: usize,
+}
+
+impl Rows {
+    pub fn with_capacity(n: usize) -> Rows {
+        Rows {
+            buf: Vec::with_capacity(n),
+            start: 0,
+        }
+    }
+
+    /// Append `x` after the live rows. Where the buffer is full and its dead
+    /// front is at least half of it, the live rows move to the front first
+    /// (so each row moved is paid for by a row removed at the front).
+    pub fn extend_from_slice(&mut self, x: &[f32]) {
+        if self.buf.len() + x.len() > self.buf.capacity() && 2 * self.start >= self.buf.len() {
+            self.buf.drain(..self.start);
+            self.start = 0;
+        }
+        self.buf.extend_from_slice(x);
+    }
+
+    /// Keep the first `n` live elements.
+    pub fn truncate(&mut self, n: usize) {
+        self.buf.truncate(self.start + n);
+    }
+
+    /// Remove row `e` of `d` elements, keeping the order of the others.
+    pub fn remove_row(&mut self, e: usize, d: usize) {
+        self.remove_rows(&[e], d);
+    }
+
+    /// Remove the rows `idx` (ascending, distinct) of `d` elements, keeping
+    /// the order of the others. Either the rows before the last removed one
+    /// move back (the front advances) or the rows after the first move
+    /// forward, whichever moves fewer; each run between removed rows moves
+    /// once.
+    pub fn remove_rows(&mut self, idx: &[usize], d: usize) {
+        let n = self.len() / d.max(1);
+        let (Some(&first), Some(&last)) = (idx.first(), idx.last()) else {
+            return;
+        };
+        assert!(last < n, "row {last} of {n}");
+        let s = self.start;
+        let r = idx.len();
+        if last + 1 - r < n - first - r {
+            // runs from the back: run k is idx[k − 1] + 1 .. idx[k]
+            let mut to = s + (last + 1) * d;
+            for k in (0..r).rev() {
+                let from = if k == 0 { 0 } else { idx[k - 1] + 1 };
+                let len = (idx[k] - from) * d;
+                to -= len;
+                self.buf.copy_within(s + from * d..s + idx[k] * d, to);
+            }
+            self.start += r * d;
+        } else {
+            let mut to = s + first * d;
+            for (k, &e) in idx.iter().enumerate() {
+                let end = idx.get(k + 1).copied().unwrap_or(n);
+                self.buf.copy_within(s + (e + 1) * d..s + end * d, to);
+                to += (end - e - 1) * d;
+            }
+            self.buf.truncate(to);
+        }
+    }
+}
+
+impl std::ops::Deref for Rows {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.buf[self.start..]
+    }
+}
+
+impl std::ops::DerefMut for Rows {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.buf[self.start..]
+    }
+}
+
+impl PartialEq for Rows {
+    fn eq(&self, other: &Rows) -> bool {
+        **self == **other
+    }
+}
+
+impl PartialEq<Vec<f32>> for Rows {
+    fn eq(&self, other: &Vec<f32>) -> bool {
+        **self == **other
+    }
+}
+
+impl From<Vec<f32>> for Rows {
+    fn from(buf: Vec<f32>) -> Rows {
+        Rows { buf, start: 0 }
+    }
+}
+
+impl Extend<f32> for Rows {
+    fn extend<I: IntoIterator<Item = f32>>(&mut self, it: I) {
+        self.buf.extend(it);
+    }
+}
+
 /// One KV head's cache. Entry `e` is (key, value, additive logit bias, the
 /// original positions it stands for, its storage cost in bits). Every policy
 /// here keeps entries in the order of the positions that created them.
@@ -17,9 +131,9 @@ pub type Members = smallvec::SmallVec<[u32; 2]>;
 pub struct HeadCache {
     pub d: usize,
     /// (n, d)
-    pub keys: Vec<f32>,
+    pub keys: Rows,
     /// (n, d)
-    pub values: Vec<f32>,
+    pub values: Rows,
     /// (n,) added to the entry's logit: log(count) for a merge of count positions, 0 otherwise.
     pub bias: Vec<f32>,
     /// (n,) original positions each entry stands for, ascending.
@@ -41,8 +155,8 @@ impl HeadCache {
     pub fn with_capacity(d: usize, n: usize) -> HeadCache {
         HeadCache {
             d,
-            keys: Vec::with_capacity(n * d),
-            values: Vec::with_capacity(n * d),
+            keys: Rows::with_capacity(n * d),
+            values: Rows::with_capacity(n * d),
             bias: Vec::with_capacity(n),
             members: Vec::with_capacity(n),
             bits: Vec::with_capacity(n),
@@ -100,8 +214,8 @@ impl HeadCache {
     /// Remove entry `e`, keeping the order of the others.
     pub fn remove(&mut self, e: usize) {
         let d = self.d;
-        self.keys.drain(e * d..(e + 1) * d);
-        self.values.drain(e * d..(e + 1) * d);
+        self.keys.remove_row(e, d);
+        self.values.remove_row(e, d);
         self.bias.remove(e);
         self.members.remove(e);
         self.bits.remove(e);
@@ -115,14 +229,14 @@ impl HeadCache {
         let Some(&first) = idx.first() else {
             return;
         };
+        self.keys.remove_rows(idx, d);
+        self.values.remove_rows(idx, d);
         let mut w = first;
         for (k, &r) in idx.iter().enumerate() {
             // the run after removed entry r: r + 1 .. the next removed one
             let end = idx.get(k + 1).copied().unwrap_or(n);
             let run = r + 1..end;
             if !run.is_empty() {
-                self.keys.copy_within(run.start * d..run.end * d, w * d);
-                self.values.copy_within(run.start * d..run.end * d, w * d);
                 self.bias.copy_within(run.clone(), w);
                 self.bits.copy_within(run.clone(), w);
                 for (j, i) in run.clone().enumerate() {
@@ -131,8 +245,6 @@ impl HeadCache {
                 w += run.len();
             }
         }
-        self.keys.truncate(w * d);
-        self.values.truncate(w * d);
         self.bias.truncate(w);
         self.bits.truncate(w);
         self.members.truncate(w);
@@ -176,6 +288,98 @@ impl HeadCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// One operation on a cache of rows: append a row, remove one row (by a
+    /// fraction of the length), or remove a sorted set (by a bit mask).
+    #[derive(Clone, Debug)]
+    enum Op {
+        Push,
+        Remove(f64),
+        RemoveMany(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            Just(Op::Push),
+            (0.0..1.0f64).prop_map(Op::Remove),
+            any::<u64>().prop_map(Op::RemoveMany),
+        ]
+    }
+
+    proptest! {
+        /// `Rows` against a plain `Vec` doing the same removals with `drain`:
+        /// the same live rows in the same order after every operation,
+        /// whichever side each removal moved, and with compactions on append.
+        #[test]
+        fn rows_equal_a_vec_through_any_pushes_and_removals(
+            d in 1usize..5,
+            cap in 0usize..8,
+            ops in proptest::collection::vec(op(), 0..200),
+        ) {
+            let mut rows = Rows::with_capacity(cap * d);
+            let mut model: Vec<f32> = Vec::new();
+            let (mut next, mut peak) = (0f32, 0usize);
+            for op in ops {
+                let n = model.len() / d;
+                match op {
+                    Op::Push => {
+                        let row: Vec<f32> = (0..d).map(|j| next + j as f32 / 8.0).collect();
+                        next += 1.0;
+                        rows.extend_from_slice(&row);
+                        model.extend_from_slice(&row);
+                    }
+                    Op::Remove(f) if n > 0 => {
+                        let e = ((f * n as f64) as usize).min(n - 1);
+                        rows.remove_row(e, d);
+                        model.drain(e * d..(e + 1) * d);
+                    }
+                    Op::RemoveMany(mask) => {
+                        let idx: Vec<usize> = (0..n.min(64)).filter(|i| mask >> i & 1 == 1).collect();
+                        rows.remove_rows(&idx, d);
+                        for &e in idx.iter().rev() {
+                            model.drain(e * d..(e + 1) * d);
+                        }
+                    }
+                    Op::Remove(_) => {}
+                }
+                prop_assert_eq!(&*rows, &model[..]);
+                // the dead front does not make the buffer grow without bound:
+                // it grows only while more than half of it is live
+                peak = peak.max(model.len());
+                prop_assert!(rows.buf.capacity() <= (cap * d).max(4 * (peak + d) + 8));
+            }
+        }
+    }
+
+    #[test]
+    fn a_removal_moves_the_shorter_side() {
+        let mut r = Rows::from((0..10).map(|i| i as f32).collect::<Vec<_>>());
+        // row 1 of 10: the one row before it moves back
+        r.remove_row(1, 1);
+        assert_eq!(
+            (r.start, &*r),
+            (1, &[0.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0][..])
+        );
+        // row 6 of 9: the two rows after it move forward
+        r.remove_row(6, 1);
+        assert_eq!(
+            (r.start, &*r),
+            (1, &[0.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 9.0][..])
+        );
+        // rows 0 and 2 of 8: the one row between them moves back
+        r.remove_rows(&[0, 2], 1);
+        assert_eq!((r.start, &*r), (3, &[2.0, 4.0, 5.0, 6.0, 8.0, 9.0][..]));
+        // a full buffer whose dead front is at least half of it compacts
+        let mut r = Rows::with_capacity(4);
+        r.extend_from_slice(&[0.0, 1.0, 2.0, 3.0]);
+        r.remove_rows(&[0, 1], 1);
+        r.extend_from_slice(&[4.0]);
+        assert_eq!(
+            (r.start, r.buf.capacity(), &*r),
+            (0, 4, &[2.0, 3.0, 4.0][..])
+        );
+    }
 
     #[test]
     fn push_remove_retain_keep_everything_aligned() {

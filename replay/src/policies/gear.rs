@@ -247,8 +247,8 @@ impl Gear {
                 let mut c = ctx.full_cache(g);
                 let (k, kb) = self.approximate(&c.keys, p, d, true);
                 let (v, vb) = self.approximate(&c.values, p, d, false);
-                c.keys = k;
-                c.values = v;
+                c.keys = k.into();
+                c.values = v.into();
                 c.bits = kb.iter().zip(&vb).map(|(a, b)| a + b).collect();
                 c
             })
