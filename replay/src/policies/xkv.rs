@@ -233,34 +233,83 @@ fn gram_eig(x: &[f64], p: usize, n: usize) -> Eig {
 }
 
 /// The rank-r reconstruction A·F of X from the f16 factors A = U_r (P × r)
-/// and F = Σ_r V_rᵀ (r × n).
+/// and F = Σ_r V_rᵀ (r × n). Compiled for AVX2 where the CPU has it: every
+/// sum below adds its terms in the order written, from −0.0 (as
+/// `Iterator::sum` does), lanes holding different sums.
 fn reconstruct(x: &[f64], p: usize, n: usize, eig: &Eig, r: usize) -> Vec<f64> {
+    kvreplay_kernels::cpu::with_avx2(
+        #[inline(always)]
+        || reconstruct_body(x, p, n, eig, r),
+    )
+}
+
+#[inline(always)]
+fn reconstruct_body(x: &[f64], p: usize, n: usize, eig: &Eig, r: usize) -> Vec<f64> {
     let m = eig.m;
-    let col = |j: usize| -> Vec<f64> { (0..m).map(|k| eig.vecs[k * m + j]).collect() };
     // per component j: u_j (P,), f_j (n,)
     let mut a = vec![0f64; p * r];
     let mut f = vec![0f64; r * n];
-    for j in 0..r {
-        let e = col(j);
-        if p <= n {
-            // u_j = e, f_j = u_jᵀ X
+    if p <= n {
+        // u_j = e_j (column j of the vectors), f_j = u_jᵀ X: f_jc = Σ_t e_tj
+        // x_tc over t in order, X's rows added whole
+        for j in 0..r {
+            let fj = &mut f[j * n..(j + 1) * n];
+            fj.fill(-0.0);
             for t in 0..p {
-                a[t * r + j] = e[t];
+                let e = eig.vecs[t * m + j];
+                a[t * r + j] = e;
+                fj.iter_mut()
+                    .zip(&x[t * n..(t + 1) * n])
+                    .for_each(|(o, v)| *o += e * v);
             }
+        }
+    } else {
+        // v_j = e_j, σ_j = √λ_j, u_j = X v_j / σ_j, f_j = σ_j v_jᵀ (a
+        // component of σ_j = 0 keeps u_j = f_j = 0). X v_j: per row t, Σ_c
+        // x_tc e_cj over c in order, eight components side by side.
+        let sigma: Vec<f64> = (0..r).map(|j| eig.vals[j].max(0.0).sqrt()).collect();
+        let mut eb = vec![0f64; n * 8];
+        for j0 in (0..r).step_by(8) {
+            let w = (r - j0).min(8);
+            // components j0 .. j0 + w of every channel, (n, 8)
             for c in 0..n {
-                f[j * n + c] = (0..p).map(|t| e[t] * x[t * n + c]).sum();
+                eb[c * 8..c * 8 + w].copy_from_slice(&eig.vecs[c * m + j0..c * m + j0 + w]);
             }
-        } else {
-            // v_j = e, σ_j = √λ_j, u_j = X v_j / σ_j, f_j = σ_j v_jᵀ
-            let sigma = eig.vals[j].max(0.0).sqrt();
-            if sigma == 0.0 {
-                continue;
+            let mut put = |t: usize, acc: &[f64; 8]| {
+                for k in 0..w {
+                    if sigma[j0 + k] != 0.0 {
+                        a[t * r + j0 + k] = acc[k] / sigma[j0 + k];
+                    }
+                }
+            };
+            // two rows of X per pass over the packed components
+            let mut t = 0;
+            while t + 2 <= p {
+                let (x0, x1) = (&x[t * n..(t + 1) * n], &x[(t + 1) * n..(t + 2) * n]);
+                let mut acc = [[-0.0f64; 8]; 2];
+                for ((e, u0), u1) in eb.chunks_exact(8).zip(x0).zip(x1) {
+                    for k in 0..8 {
+                        acc[0][k] += u0 * e[k];
+                        acc[1][k] += u1 * e[k];
+                    }
+                }
+                put(t, &acc[0]);
+                put(t + 1, &acc[1]);
+                t += 2;
             }
-            for t in 0..p {
-                a[t * r + j] = (0..n).map(|c| x[t * n + c] * e[c]).sum::<f64>() / sigma;
+            if t < p {
+                let mut acc = [-0.0f64; 8];
+                for (e, u) in eb.chunks_exact(8).zip(&x[t * n..(t + 1) * n]) {
+                    for k in 0..8 {
+                        acc[k] += u * e[k];
+                    }
+                }
+                put(t, &acc);
             }
+        }
+        for j in (0..r).filter(|&j| sigma[j] != 0.0) {
             for c in 0..n {
-                f[j * n + c] = sigma * e[c];
+                f[j * n + c] = sigma[j] * eig.vecs[c * m + j];
             }
         }
     }
@@ -299,8 +348,15 @@ pub fn symmetric_eig(a: Vec<f64>, m: usize) -> Eig {
         .collect();
     let mut d = vec![0f64; m];
     let mut e = vec![0f64; m];
-    tred2(&mut vt, &mut d, &mut e);
-    tql2(&mut vt, &mut d, &mut e);
+    // compiled for AVX2 where the CPU has it (the same operations in the
+    // same order; four f64 lanes instead of two)
+    kvreplay_kernels::cpu::with_avx2(
+        #[inline(always)]
+        || {
+            tred2(&mut vt, &mut d, &mut e);
+            tql2(&mut vt, &mut d, &mut e);
+        },
+    );
     let mut order: Vec<usize> = (0..m).collect();
     order.sort_by(|&x, &y| d[y].total_cmp(&d[x]).then(x.cmp(&y)));
     let vals = order.iter().map(|&j| d[j]).collect();
@@ -319,6 +375,7 @@ pub fn symmetric_eig(a: Vec<f64>, m: usize) -> Eig {
 /// row of `w`. Every element sees the same operations in the same order as
 /// tred2 on the matrix itself.
 #[allow(clippy::needless_range_loop)]
+#[inline(always)]
 fn tred2(w: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
     let n = d.len();
     for j in 0..n {
@@ -438,6 +495,7 @@ fn tred2(w: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
 /// `vt[j]` is column j of the tridiagonalising transform on entry and
 /// eigenvector j on return.
 #[allow(clippy::needless_range_loop)]
+#[inline(always)]
 fn tql2(vt: &mut [Vec<f64>], d: &mut [f64], e: &mut [f64]) {
     let n = d.len();
     for i in 1..n {
