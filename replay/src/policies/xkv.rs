@@ -233,9 +233,9 @@ fn gram_eig(x: &[f64], p: usize, n: usize) -> Eig {
 }
 
 /// The rank-r reconstruction A·F of X from the f16 factors A = U_r (P × r)
-/// and F = Σ_r V_rᵀ (r × n). Compiled for AVX2 where the CPU has it: every
-/// sum below adds its terms in the order written, from −0.0 (as
-/// `Iterator::sum` does), lanes holding different sums.
+/// and F = Σ_r V_rᵀ (r × n). Compiled for AVX2 where the CPU has it; lanes
+/// hold different sums, each adding its terms in the order written (the
+/// factors' sums from −0.0, as `Iterator::sum` does; the product's from +0).
 fn reconstruct(x: &[f64], p: usize, n: usize, eig: &Eig, r: usize) -> Vec<f64> {
     kvreplay_kernels::cpu::with_avx2(
         #[inline(always)]
