@@ -282,29 +282,16 @@ fn reconstruct_body(x: &[f64], p: usize, n: usize, eig: &Eig, r: usize) -> Vec<f
                     }
                 }
             };
-            // two rows of X per pass over the packed components
-            let mut t = 0;
-            while t + 2 <= p {
-                let (x0, x1) = (&x[t * n..(t + 1) * n], &x[(t + 1) * n..(t + 2) * n]);
-                let mut acc = [[-0.0f64; 8]; 2];
-                for ((e, u0), u1) in eb.chunks_exact(8).zip(x0).zip(x1) {
-                    for k in 0..8 {
-                        acc[0][k] += u0 * e[k];
-                        acc[1][k] += u1 * e[k];
-                    }
+            // two rows of X per pass over the packed components (a last odd row alone)
+            for (i, rows) in x[..p * n].chunks(2 * n).enumerate() {
+                if rows.len() == 2 * n {
+                    let [s0, s1] = sums8(&eb, [&rows[..n], &rows[n..]]);
+                    put(2 * i, &s0);
+                    put(2 * i + 1, &s1);
+                } else {
+                    let [s0] = sums8(&eb, [rows]);
+                    put(2 * i, &s0);
                 }
-                put(t, &acc[0]);
-                put(t + 1, &acc[1]);
-                t += 2;
-            }
-            if t < p {
-                let mut acc = [-0.0f64; 8];
-                for (e, u) in eb.chunks_exact(8).zip(&x[t * n..(t + 1) * n]) {
-                    for k in 0..8 {
-                        acc[k] += u * e[k];
-                    }
-                }
-                put(t, &acc);
             }
         }
         for j in (0..r).filter(|&j| sigma[j] != 0.0) {
@@ -328,6 +315,22 @@ fn reconstruct_body(x: &[f64], p: usize, n: usize, eig: &Eig, r: usize) -> Vec<f
         }
     }
     out
+}
+
+/// Per row x of `xs` (n channels), the eight sums Σ_c x_c · eb[c, k] with
+/// the packed components `eb` (n, 8), each over c in order from −0.0.
+#[inline(always)]
+fn sums8<const R: usize>(eb: &[f64], xs: [&[f64]; R]) -> [[f64; 8]; R] {
+    let mut acc = [[-0.0f64; 8]; R];
+    for (c, e) in eb.chunks_exact(8).enumerate() {
+        for (a, x) in acc.iter_mut().zip(&xs) {
+            let u = x[c];
+            for k in 0..8 {
+                a[k] += u * e[k];
+            }
+        }
+    }
+    acc
 }
 
 /// Eigen-decomposition of the symmetric matrix `a` (m × m, row-major):
